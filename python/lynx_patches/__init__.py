@@ -1,5 +1,40 @@
-"""SGLang plugin entry point for Lynx (entry-point group ``sglang.srt.plugins``)."""
+"""SGLang plugin entry point for Lynx (entry-point group ``sglang.srt.plugins``).
+
+SGLang calls :func:`register` through ``sglang.srt.plugins.load_plugins()`` in the
+launcher and in every scheduler/detokenizer subprocess, then applies the registered
+hooks.  Each module of this package hooks one upstream module and lists its targets at
+its top; together they are every upstream symbol Lynx touches:
+
+* :mod:`lynx_patches.server_args` -- ``--lynx*`` flags, validation, CPU-engine defaults.
+* :mod:`lynx_patches.internal_state` -- Lynx settings in ``/server_info``.
+* :mod:`lynx_patches.sgl_kernel` -- pure-torch stand-ins for the two CPU ops of
+  ``sgl_kernel`` (CPU engine only).
+* :mod:`lynx_patches.disaggregation_prefill` -- CPU-engine guard on the early prefix send.
+* :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
+  event-synchronised page indices.
+
+Without ``--lynx`` every Lynx hook calls the original unchanged.  The CPU-engine hooks
+are registered only when ``SGLANG_USE_CPU_ENGINE=1`` (upstream's own switch for the CPU
+platform), because upstream PD serving cannot start on a CPU without them.
+"""
+
+from lynx_patches import (
+    disaggregation_mooncake_conn,
+    disaggregation_prefill,
+    internal_state,
+    server_args,
+    sgl_kernel,
+)
+from lynx_patches._hooks import is_cpu_engine
 
 
 def register() -> None:
-    """Called by ``sglang.srt.plugins.load_plugins`` in every SGLang process."""
+    """Register Lynx's hooks with ``sglang.srt.plugins.hook_registry.HookRegistry``."""
+    if is_cpu_engine():
+        # Before any hook target is imported: their imports reach ``sgl_kernel``.
+        sgl_kernel.install()
+    server_args.register()
+    internal_state.register()
+    if is_cpu_engine():
+        disaggregation_prefill.register()
+        disaggregation_mooncake_conn.register()

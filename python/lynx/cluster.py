@@ -1,0 +1,335 @@
+"""Start and stop real SGLang servers and the PD router as child processes.
+
+Used by the demo, the end-to-end tests and the benchmarks, so all three run the same
+commands a user would type.  Every server runs in its own process group, so stopping it
+(also on Ctrl-C, SIGTERM or a failed start) takes its scheduler and detokenizer
+subprocesses along and frees its ports.  Logs go to one file per process.
+
+Nothing here imports SGLang: the servers are ``python -m sglang.launch_server`` and
+``python -m sglang_router.launch_router`` subprocesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+
+
+class ClusterError(RuntimeError):
+    """A server did not come up, or died; the message carries the end of its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def http_json(url: str, payload: Mapping[str, Any] | None = None, timeout: float = 600.0) -> Any:
+    """GET (payload None) or POST JSON; returns the decoded body or raises HTTPError."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"null")
+
+
+@dataclass
+class ManagedProcess:
+    """One child process (in its own session) with its log file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+
+    def check_alive(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            code = None if self.process is None else self.process.returncode
+            raise ClusterError(
+                f"{self.name} exited (code {code}); log {self.log_path}:\n{_tail(self.log_path)}"
+            )
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.process is None:
+            return
+        pgid = self.process.pid  # session leader: its pid is the group id
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=grace_s)
+        # Children may outlive the leader (SGLang's schedulers); sweep the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        self.process = None
+
+
+def server_env(*, cpu: bool, threads: int | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if threads is not None:
+        # Two servers on a small host: without a cap each takes every core and both crawl.
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class ServerConfig:
+    """What every server of a cluster shares."""
+
+    model_path: Path
+    cpu: bool = True
+    max_total_tokens: int = 16384
+    threads_per_server: int | None = 1
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def base_argv(self, port: int) -> list[str]:
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model_path),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+        ]
+        if self.cpu:
+            argv += ["--device", "cpu", "--attention-backend", "torch_native"]
+        return [*argv, *self.extra_args]
+
+
+def _wait_until(ready: Any, processes: Sequence[ManagedProcess], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for proc in processes:
+            proc.check_alive()
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            logs = ", ".join(str(p.log_path) for p in processes)
+            raise ClusterError(f"{what} not ready after {timeout_s:.0f}s (logs: {logs})")
+        time.sleep(1.0)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class _Group:
+    """Processes started together and stopped together, in reverse order."""
+
+    def __init__(self) -> None:
+        self.processes: list[ManagedProcess] = []
+
+    def launch(self, proc: ManagedProcess) -> ManagedProcess:
+        self.processes.append(proc)
+        proc.start()
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+    def __enter__(self) -> _Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SingleServer(_Group):
+    """A plain (non-disaggregated) SGLang server."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        log_dir: Path,
+        *,
+        name: str = "single",
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self._argv = [*config.base_argv(self.port), *args]
+        self._env = server_env(
+            cpu=config.cpu, threads=config.threads_per_server, extra={**config.env, **(env or {})}
+        )
+        self._log = log_dir / f"{name}.log"
+        self.name = name
+
+    def start(self, timeout_s: float = 600.0) -> SingleServer:
+        try:
+            proc = self.launch(ManagedProcess(self.name, self._argv, self._log, self._env))
+            _wait_until(lambda: _healthy(self.url), [proc], timeout_s, self.name)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __enter__(self) -> SingleServer:
+        return self.start()
+
+
+class PDCluster(_Group):
+    """Prefill server + decode server + ``sglang_router`` in PD mode, on loopback."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        log_dir: Path,
+        *,
+        transfer_backend: str = "mooncake_tcp",
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.log_dir = log_dir
+        self.prefill_port, self.bootstrap_port = free_port(), free_port()
+        self.decode_port, self.router_port = free_port(), free_port()
+        self.prefill_url = f"http://{HOST}:{self.prefill_port}"
+        self.decode_url = f"http://{HOST}:{self.decode_port}"
+        self.url = f"http://{HOST}:{self.router_port}"
+        common = ["--disaggregation-transfer-backend", transfer_backend]
+        self._prefill_argv = [
+            *config.base_argv(self.prefill_port),
+            *common,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(self.bootstrap_port),
+            *prefill_args,
+        ]
+        self._decode_argv = [
+            *config.base_argv(self.decode_port),
+            *common,
+            "--disaggregation-mode",
+            "decode",
+            *decode_args,
+        ]
+        self._router_argv = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            self.prefill_url,
+            str(self.bootstrap_port),
+            "--decode",
+            self.decode_url,
+            "--host",
+            HOST,
+            "--port",
+            str(self.router_port),
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(free_port()),
+        ]
+        self._env = server_env(cpu=config.cpu, threads=config.threads_per_server, extra=config.env)
+
+    @property
+    def log_paths(self) -> list[Path]:
+        return [self.log_dir / f"{n}.log" for n in ("prefill", "decode", "router")]
+
+    def _router_serves(self) -> bool:
+        # The router answers 503 until it has registered both workers (~15 s after
+        # their /health turns green), so only a real request tells it is ready.
+        try:
+            http_json(
+                self.url + "/generate", {"text": "ping", "sampling_params": {"max_new_tokens": 1}}, timeout=60
+            )
+        except (urllib.error.URLError, OSError):
+            return False
+        return True
+
+    def start(self, timeout_s: float = 900.0) -> PDCluster:
+        try:
+            prefill = self.launch(
+                ManagedProcess("prefill", self._prefill_argv, self.log_dir / "prefill.log", self._env)
+            )
+            decode = self.launch(
+                ManagedProcess("decode", self._decode_argv, self.log_dir / "decode.log", self._env)
+            )
+            servers = [prefill, decode]
+            _wait_until(
+                lambda: _healthy(self.prefill_url) and _healthy(self.decode_url),
+                servers,
+                timeout_s,
+                "prefill and decode servers",
+            )
+            router = self.launch(
+                ManagedProcess("router", self._router_argv, self.log_dir / "router.log", dict(os.environ))
+            )
+            _wait_until(self._router_serves, [*servers, router], 180.0, "router")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __enter__(self) -> PDCluster:
+        return self.start()
+
+
+@contextlib.contextmanager
+def terminate_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit so ``finally``/``with`` blocks stop the servers."""
+
+    def _raise(_signum: int, _frame: object) -> None:
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

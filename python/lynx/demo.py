@@ -1,0 +1,104 @@
+"""The main job: a prefill server, a decode server and the PD router on loopback.
+
+    python -m lynx.demo                       # SmolLM2-135M-Instruct, KV over Mooncake TCP
+    python -m lynx.demo --model tiny          # a random tiny Llama, starts faster
+    python -m lynx.demo --model /path/to/hf/folder --prompt "..." --lynx-args "--lynx"
+
+It prepares the model if needed, starts the three processes, sends one OpenAI chat
+completion through the router (streamed, to measure the time to the first token), prints
+the answer and the TTFT, and stops everything, also on Ctrl-C or a failed start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from lynx import models
+from lynx.cluster import ClusterError, PDCluster, ServerConfig, terminate_on_sigterm
+
+
+def _model_path(choice: str) -> Path:
+    if choice == "smollm2":
+        return models.prepare_smollm2()
+    if choice == "tiny":
+        return models.prepare_tiny()
+    path = Path(choice)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"error: {path} is not a model folder (no config.json)")
+    return path
+
+
+def chat_once(base_url: str, prompt: str, max_tokens: int) -> tuple[str, float, int]:
+    """One streamed chat completion; returns (answer, TTFT seconds, completion tokens)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="unused")
+    start = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    usage_tokens = 0
+    stream = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.delta.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(choice.delta.content)
+    return "".join(parts), (ttft if ttft is not None else float("nan")), usage_tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lynx.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
+    parser.add_argument(
+        "--prompt",
+        default="In two sentences, why does KV-cache transfer slow down disaggregated LLM serving?",
+    )
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="default: logs/demo-<time> under the current directory"
+    )
+    parser.add_argument("--gpu", action="store_true", help="serve on CUDA instead of the CPU engine")
+    parser.add_argument(
+        "--lynx-args", default="", help='extra flags for both servers, e.g. "--lynx --lynx-anchor-bits 4"'
+    )
+    args = parser.parse_args(argv)
+
+    log_dir = args.log_dir or Path("logs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    model = _model_path(args.model)
+    lynx_args = shlex.split(args.lynx_args)
+    config = ServerConfig(model_path=model, cpu=not args.gpu, extra_args=lynx_args)
+    print(f"model: {model}")
+    print(f"logs:  {log_dir.resolve()}/{{prefill,decode,router}}.log")
+    try:
+        with terminate_on_sigterm(), PDCluster(config, log_dir) as cluster:
+            print(f"router: {cluster.url} (prefill {cluster.prefill_url}, decode {cluster.decode_url})")
+            answer, ttft, tokens = chat_once(cluster.url, args.prompt, args.max_tokens)
+            print(f"\nprompt: {args.prompt}\nanswer: {answer.strip()}\n")
+            print(f"TTFT: {ttft * 1000:.0f} ms   completion tokens: {tokens}")
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; servers stopped", file=sys.stderr)
+        return 130
+    print("servers stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

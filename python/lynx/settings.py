@@ -1,0 +1,151 @@
+"""Lynx settings: one record, validated once, carried to every server process.
+
+The launcher parses ``--lynx*`` flags into :class:`LynxSettings`; SGLang's scheduler and
+detokenizer run in spawned subprocesses that rebuild ``ServerArgs`` from dataclass
+fields only, so the settings travel in the environment variable :data:`SETTINGS_ENV`
+(JSON), which subprocesses inherit.  Prefill and decode compare the settings that shape
+the bytes on the wire (:meth:`LynxSettings.wire_fields`) before pairing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SETTINGS_ENV = "LYNX_SETTINGS"
+
+LynxMode = Literal["full", "anchor-only", "speculative"]
+ResidualMode = Literal["int8", "exact"]
+MODES: tuple[LynxMode, ...] = ("full", "anchor-only", "speculative")
+RESIDUAL_MODES: tuple[ResidualMode, ...] = ("int8", "exact")
+PD_MODES = ("prefill", "decode")
+# "mooncake_tcp" is upstream's spelling for Mooncake with the TCP transport forced.
+TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
+
+
+class LynxSettingsError(ValueError):
+    """A Lynx setting, or its combination with the server's own settings, is invalid."""
+
+
+@dataclass(frozen=True)
+class LynxSettings:
+    """What ``--lynx`` and the ``--lynx-*`` flags ask for.
+
+    ``mode`` decides when decoding starts: ``full`` waits for Anchor and Residual,
+    ``anchor-only`` decodes on the Anchor and never sends the Residual, ``speculative``
+    decodes on the Anchor and verifies when the Residual lands.
+    """
+
+    mode: LynxMode = "full"
+    anchor_bits: int = 4
+    group_size: int = 32
+    residual: ResidualMode = "int8"
+    max_speculative_tokens: int = 32
+    lane_chunk_bytes: int = 1 << 20
+    transfer_deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise LynxSettingsError(f"--lynx-mode must be one of {MODES}, got {self.mode!r}")
+        if not 2 <= self.anchor_bits <= 4:
+            raise LynxSettingsError(
+                f"--lynx-anchor-bits must be 2, 3 or 4 (upper bits of an INT8 code), got {self.anchor_bits}"
+            )
+        if self.group_size <= 0 or self.group_size & (self.group_size - 1):
+            raise LynxSettingsError(
+                f"--lynx-group-size must be a positive power of two, got {self.group_size}"
+            )
+        if self.residual not in RESIDUAL_MODES:
+            raise LynxSettingsError(f"--lynx-residual must be one of {RESIDUAL_MODES}, got {self.residual!r}")
+        if self.max_speculative_tokens < 1:
+            raise LynxSettingsError(
+                f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"
+            )
+        if self.lane_chunk_bytes < 4096:
+            raise LynxSettingsError(f"--lynx-lane-chunk-bytes must be >= 4096, got {self.lane_chunk_bytes}")
+        if not self.transfer_deadline_s > 0:
+            raise LynxSettingsError(
+                f"--lynx-transfer-deadline must be > 0 seconds, got {self.transfer_deadline_s}"
+            )
+
+    def wire_fields(self) -> dict[str, Any]:
+        """The settings both sides of a transfer must agree on to decode each other's bytes."""
+        return {
+            "mode": self.mode,
+            "anchor_bits": self.anchor_bits,
+            "group_size": self.group_size,
+            "residual": self.residual,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LynxSettings:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise LynxSettingsError(f"${SETTINGS_ENV} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise LynxSettingsError(f"${SETTINGS_ENV} must hold a JSON object, got {text!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise LynxSettingsError(f"${SETTINGS_ENV} has unknown settings {unknown}")
+        return cls(**raw)
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"1MiB"`` -> 1048576; plain integers are bytes; K/M/G are binary units."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 65536, 512KiB, 1MiB)")
+    return int(match.group(1)) * _SIZE_UNITS[unit]
+
+
+def check_server_compatibility(
+    settings: LynxSettings, *, disaggregation_mode: str, transfer_backend: str
+) -> None:
+    """Refuse server settings Lynx cannot run under, with the flag to change."""
+    if disaggregation_mode not in PD_MODES:
+        raise LynxSettingsError(
+            "--lynx needs a prefill/decode disaggregated server: pass "
+            f"--disaggregation-mode prefill or decode (got {disaggregation_mode!r})"
+        )
+    if transfer_backend not in TRANSFER_BACKENDS:
+        raise LynxSettingsError(
+            "--lynx transfers KV over the Mooncake Transfer Engine: pass "
+            f"--disaggregation-transfer-backend mooncake or mooncake_tcp (got {transfer_backend!r})"
+        )
+
+
+def publish(settings: LynxSettings | None, environ: dict[str, str] | None = None) -> None:
+    """Make ``settings`` (or their absence) what every subprocess of this server sees."""
+    env = os.environ if environ is None else environ
+    if settings is None:
+        env.pop(SETTINGS_ENV, None)
+    else:
+        env[SETTINGS_ENV] = settings.to_json()
+
+
+def current(environ: Mapping[str, str] | None = None) -> LynxSettings | None:
+    """The settings of this server process, or None when Lynx is off."""
+    text = (os.environ if environ is None else environ).get(SETTINGS_ENV)
+    return None if text is None else LynxSettings.from_json(text)
