@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,18 @@ class PDCluster(_Group):
 
     def __enter__(self) -> PDCluster:
         return self.start()
+
+
+def start_together(groups: Sequence[_Group]) -> None:
+    """Start several servers or clusters concurrently; if one fails, stop all and re-raise."""
+    with ThreadPoolExecutor(len(groups)) as pool:
+        futures = [pool.submit(group.start) for group in groups]  # type: ignore[attr-defined]
+        errors = [future.exception() for future in futures]
+    failed = [error for error in errors if error is not None]
+    if failed:
+        for group in groups:
+            group.stop()
+        raise failed[0]
 
 
 @contextlib.contextmanager

@@ -155,6 +155,10 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
     settings.publish(lynx_settings)
     if lynx_settings is not None:
         logger.info("Lynx on: %s", lynx_settings.to_json())
+        logger.warning(
+            "Lynx: settings validated and handed to the scheduler; the Anchor/Residual "
+            "transfer path is not built yet, so KV still travels as the upstream copy"
+        )
     return server_args
 
 

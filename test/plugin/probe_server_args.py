@@ -1,0 +1,32 @@
+"""Runs in a fresh interpreter: load the plugins as SGLang does, then parse command lines.
+
+Prints one JSON object: the hook targets that were applied, and for each case either the
+published Lynx settings and a few ServerArgs fields, or the start-up error.
+"""
+
+import json
+import os
+import sys
+
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+load_plugins()
+
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+
+cases = json.loads(sys.argv[1])
+results = {"patched": sorted(HookRegistry._patched), "cases": {}}
+for name, argv in cases.items():
+    os.environ.pop("LYNX_SETTINGS", None)
+    try:
+        args = prepare_server_args(argv)
+    except SystemExit as exc:
+        results["cases"][name] = {"error": str(exc.code)}
+        continue
+    results["cases"][name] = {
+        "lynx": json.loads(os.environ["LYNX_SETTINGS"]) if "LYNX_SETTINGS" in os.environ else None,
+        "retraction_backup": args.disaggregation_decode_retraction_backup,
+        "host_ip": os.environ.get("SGLANG_HOST_IP"),
+    }
+print("PROBE-RESULT " + json.dumps(results))

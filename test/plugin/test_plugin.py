@@ -1,0 +1,164 @@
+"""The plugin as SGLang loads it: entry point, hooks applied, flags parsed and refused.
+
+Each check runs SGLang in a fresh interpreter, as the launcher does, so the hooks never
+leak into the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+CPU_ENV = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+CPU_ENV.pop("SGLANG_HOST_IP", None)
+LYNX_FLAGS = [
+    "--lynx",
+    "--lynx-mode",
+    "--lynx-anchor-bits",
+    "--lynx-group-size",
+    "--lynx-residual",
+    "--lynx-max-speculative-tokens",
+    "--lynx-lane-chunk-bytes",
+    "--lynx-transfer-deadline",
+]
+
+
+def test_entry_point_is_registered() -> None:
+    (plugin,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "lynx"]
+    assert plugin.value == "lynx_patches:register"
+    assert callable(plugin.load())
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_model: Path) -> dict:
+    model = ["--model-path", str(tiny_model)]
+    pd = ["--disaggregation-transfer-backend", "mooncake_tcp"]
+    cases = {
+        "plain": model,
+        "prefill_lynx": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "prefill",
+            "--lynx",
+            "--lynx-anchor-bits",
+            "3",
+            "--lynx-lane-chunk-bytes",
+            "512KiB",
+        ],
+        "decode_plain": [*model, *pd, "--disaggregation-mode", "decode"],
+        "lynx_without_pd": [*model, "--lynx"],
+        "lynx_nixl": [
+            *model,
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-transfer-backend",
+            "nixl",
+            "--lynx",
+        ],
+        "bits_5": [*model, *pd, "--disaggregation-mode", "decode", "--lynx", "--lynx-anchor-bits", "5"],
+        "option_without_lynx": [*model, *pd, "--disaggregation-mode", "decode", "--lynx-residual", "exact"],
+        "decode_host_pool": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-decode-retraction-backup",
+            "host_pool",
+        ],
+    }
+    out = subprocess.run(
+        [sys.executable, str(HERE / "probe_server_args.py"), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=CPU_ENV,
+        timeout=600,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("PROBE-RESULT "))
+
+
+def test_every_hook_target_was_applied(probe: dict) -> None:
+    # HookRegistry logs and skips a target it cannot resolve; after a SGLang bump that
+    # would silently switch Lynx off, so each target must show up as patched.
+    import lynx_patches.disaggregation_mooncake_conn as mooncake_conn
+    import lynx_patches.disaggregation_prefill as prefill
+    import lynx_patches.internal_state as internal_state
+    import lynx_patches.server_args as server_args
+
+    expected = {
+        server_args.ADD_CLI_ARGS,
+        server_args.FROM_CLI_ARGS,
+        internal_state.TARGET,
+        prefill.TARGET,
+        mooncake_conn.TARGET,
+    }
+    assert {"sglang.srt." + t for t in expected} <= set(probe["patched"])
+
+
+def test_lynx_settings_are_published(probe: dict) -> None:
+    case = probe["cases"]["prefill_lynx"]
+    assert case["lynx"]["anchor_bits"] == 3
+    assert case["lynx"]["lane_chunk_bytes"] == 512 * 1024
+    assert case["lynx"]["mode"] == "full"
+
+
+def test_without_lynx_nothing_is_published(probe: dict) -> None:
+    assert probe["cases"]["plain"]["lynx"] is None
+    assert probe["cases"]["decode_plain"]["lynx"] is None
+
+
+def test_cpu_engine_pd_defaults(probe: dict) -> None:
+    decode = probe["cases"]["decode_plain"]
+    assert decode["retraction_backup"] == "cpu_tensor"
+    assert decode["host_ip"] == "127.0.0.1"
+    assert probe["cases"]["plain"]["retraction_backup"] is None
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("lynx_without_pd", "--lynx needs a prefill/decode disaggregated server"),
+        ("lynx_nixl", "--disaggregation-transfer-backend mooncake or mooncake_tcp (got 'nixl')"),
+        ("bits_5", "--lynx-anchor-bits must be 2, 3 or 4"),
+        ("option_without_lynx", "--lynx-residual given without --lynx"),
+        ("decode_host_pool", "use cpu_tensor"),
+    ],
+)
+def test_bad_combinations_are_refused(probe: dict, case: str, message: str) -> None:
+    error = probe["cases"][case].get("error", "")
+    assert error.startswith("sglang-lynx: error: ")
+    assert message in error
+
+
+def test_launcher_help_lists_the_lynx_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        env=CPU_ENV,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in LYNX_FLAGS:
+        assert f"{flag} " in out.stdout or f"{flag}\n" in out.stdout, flag
+
+
+def test_launcher_exits_with_the_message(tiny_model: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--lynx"],
+        capture_output=True,
+        text=True,
+        env=CPU_ENV,
+        timeout=600,
+    )
+    assert out.returncode == 1
+    assert "sglang-lynx: error: --lynx needs a prefill/decode disaggregated server" in out.stderr

@@ -1,0 +1,84 @@
+import json
+
+import pytest
+from lynx import settings
+from lynx.settings import LynxSettings, LynxSettingsError
+
+
+def test_defaults_are_valid_and_round_trip_through_json() -> None:
+    original = LynxSettings(mode="anchor-only", anchor_bits=3, residual="exact", lane_chunk_bytes=65536)
+    assert LynxSettings.from_json(original.to_json()) == original
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"anchor_bits": 1}, "2, 3 or 4"),
+        ({"anchor_bits": 5}, "2, 3 or 4"),
+        ({"mode": "eager"}, "--lynx-mode"),
+        ({"group_size": 24}, "power of two"),
+        ({"group_size": 0}, "power of two"),
+        ({"residual": "int4"}, "--lynx-residual"),
+        ({"max_speculative_tokens": 0}, "--lynx-max-speculative-tokens"),
+        ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes"),
+        ({"transfer_deadline_s": 0.0}, "--lynx-transfer-deadline"),
+    ],
+)
+def test_invalid_values_name_their_flag(kwargs: dict, message: str) -> None:
+    with pytest.raises(LynxSettingsError, match=message):
+        LynxSettings(**kwargs)
+
+
+def test_from_json_rejects_unknown_and_malformed_settings() -> None:
+    with pytest.raises(LynxSettingsError, match="unknown settings"):
+        LynxSettings.from_json(json.dumps({"anchor_bits": 4, "colour": "red"}))
+    with pytest.raises(LynxSettingsError, match="not valid JSON"):
+        LynxSettings.from_json("{")
+    with pytest.raises(LynxSettingsError, match="JSON object"):
+        LynxSettings.from_json("[4]")
+
+
+def test_publish_and_current_use_the_environment() -> None:
+    env: dict[str, str] = {}
+    assert settings.current(env) is None
+    settings.publish(LynxSettings(anchor_bits=2), env)
+    assert settings.current(env) == LynxSettings(anchor_bits=2)
+    settings.publish(None, env)
+    assert settings.SETTINGS_ENV not in env
+
+
+def test_wire_fields_cover_what_shapes_the_bytes() -> None:
+    a, b = LynxSettings(anchor_bits=4), LynxSettings(anchor_bits=3)
+    assert a.wire_fields() != b.wire_fields()
+    assert LynxSettings(transfer_deadline_s=5).wire_fields() == a.wire_fields()
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("65536", 65536), ("512KiB", 512 << 10), ("1MiB", 1 << 20), ("2m", 2 << 20)]
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert settings.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "1.5MiB", "-4", "3 parsecs"])
+def test_parse_size_rejects_garbage(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        settings.parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("mode", "backend", "message"),
+    [
+        ("null", "mooncake", "--disaggregation-mode"),
+        ("prefill", "nixl", "mooncake or mooncake_tcp"),
+        ("decode", "fake", "mooncake or mooncake_tcp"),
+    ],
+)
+def test_server_compatibility(mode: str, backend: str, message: str) -> None:
+    with pytest.raises(LynxSettingsError, match=message):
+        settings.check_server_compatibility(
+            LynxSettings(), disaggregation_mode=mode, transfer_backend=backend
+        )
+    settings.check_server_compatibility(
+        LynxSettings(), disaggregation_mode="decode", transfer_backend="mooncake_tcp"
+    )
