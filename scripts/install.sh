@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install everything Lynx needs on a fresh Debian/Python 3.11 host, idempotently:
+# the Debian libraries the Mooncake Transfer Engine loads, a virtual environment in
+# .venv, and this repo (editable) with SGLang, Mooncake (TCP build), the router and the
+# test tools. Re-running it only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+DEBIAN_PACKAGES=(libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200)
+
+missing=()
+for pkg in "${DEBIAN_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "installing Debian packages: ${missing[*]}"
+    SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.lynx-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e ".[cpu,models,test,bench]"
+    touch "$stamp"
+fi
+.venv/bin/python -c "import sglang, mooncake.engine, lynx_patches" \
+    || { echo "install check failed: sglang / mooncake / lynx_patches do not import" >&2; exit 1; }
