@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from lynx.cluster import PDCluster, ServerConfig, SingleServer, http_json, start_together
+from lynx.demo import chat_once
 from lynx_patches.sgl_kernel import SHIM_ROOT
 from openai import OpenAI
 
@@ -95,6 +96,12 @@ def test_chat_completions_through_router(servers: dict) -> None:
         parts.extend(c.delta.content or "" for c in chunk.choices)
     assert "".join(parts) == result.choices[0].message.content
     assert usage is not None and usage.completion_tokens == 10
+
+
+def test_demo_chat_helper_measures_ttft(servers: dict) -> None:
+    answer, ttft, tokens = chat_once(servers["pd"].url, "Tell me a story.", max_tokens=8)
+    assert tokens == 8 and answer
+    assert 0 < ttft < 600
 
 
 def test_pd_greedy_output_equals_single_server(servers: dict) -> None:
