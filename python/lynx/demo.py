@@ -15,6 +15,7 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -33,8 +34,20 @@ def _model_path(choice: str) -> Path:
     return path
 
 
-def chat_once(base_url: str, prompt: str, max_tokens: int) -> tuple[str, float, int]:
-    """One streamed chat completion; returns (answer, TTFT seconds, completion tokens)."""
+@dataclass(frozen=True)
+class ChatResult:
+    answer: str
+    ttft_s: float
+    total_s: float
+    completion_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (self.completion_tokens - 1) / max(self.total_s - self.ttft_s, 1e-9)
+
+
+def chat_once(base_url: str, prompt: str, max_tokens: int) -> ChatResult:
+    """One streamed chat completion, timed: TTFT is the first content chunk's arrival."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key="unused")
@@ -58,7 +71,8 @@ def chat_once(base_url: str, prompt: str, max_tokens: int) -> tuple[str, float, 
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 parts.append(choice.delta.content)
-    return "".join(parts), (ttft if ttft is not None else float("nan")), usage_tokens
+    total = time.perf_counter() - start
+    return ChatResult("".join(parts), ttft if ttft is not None else float("nan"), total, usage_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_on_sigterm(), PDCluster(config, log_dir) as cluster:
             print(f"router: {cluster.url} (prefill {cluster.prefill_url}, decode {cluster.decode_url})")
-            answer, ttft, tokens = chat_once(cluster.url, args.prompt, args.max_tokens)
-            print(f"\nprompt: {args.prompt}\nanswer: {answer.strip()}\n")
-            print(f"TTFT: {ttft * 1000:.0f} ms   completion tokens: {tokens}")
+            result = chat_once(cluster.url, args.prompt, args.max_tokens)
+            print(f"\nprompt: {args.prompt}\nanswer: {result.answer.strip()}\n")
+            print(
+                f"TTFT: {result.ttft_s * 1000:.0f} ms   completion tokens: {result.completion_tokens}"
+                f"   decode: {result.decode_tokens_per_s:.1f} tokens/s"
+            )
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
