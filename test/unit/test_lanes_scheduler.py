@@ -52,6 +52,10 @@ class FakeBackend:
         self.cond = threading.Condition()
         self.batches: list[FakeBatch] = []
         self.registered: dict[int, int] = {}
+        self.unreachable: set[str] = set()
+
+    def probe(self, peer: str) -> bool:
+        return peer not in self.unreachable
 
     def register_memory(self, addr: int, length: int) -> None:
         self.registered[addr] = length
@@ -452,3 +456,20 @@ def test_chunking_moves_every_byte_exactly_once(lengths, gaps, chunk):
     assert moved == expected
     assert all(b.nbytes <= chunk for b in fake.batches)
     assert lanes.stats().low.bytes == sum(lengths)
+
+
+def test_unreachable_peer_fails_its_requests_only(fake):
+    fake.unreachable.add("dead:1")
+    lanes, _ = make(fake)
+    grant(lanes, "lost", 0, 64 * KIB, peer="dead:1")
+    grant(lanes, "lost-idle", 0, 64 * KIB, peer="dead:1")
+    grant(lanes, "kept", 0, 64 * KIB, lanes=[Lane.HIGH])
+    lanes.submit("lost", Lane.HIGH, [(SRC, DST, 16)], last=True)
+    status = lanes.wait("lost", Lane.HIGH, 5)
+    assert (status.state, status.error) == (StreamState.FAILED, "peer dead:1 unreachable")
+    assert lanes.status("lost-idle", Lane.LOW).state is StreamState.FAILED
+    fake.auto = True
+    lanes.submit("kept", Lane.HIGH, [(SRC, DST, 16)], last=True)
+    assert lanes.wait("kept", Lane.HIGH, 5).state is StreamState.DONE
+    assert [b.peer for b in fake.batches] == [PEER]
+    assert lanes.close()

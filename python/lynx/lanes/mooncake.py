@@ -14,6 +14,9 @@ adapter:
 - Status 1 done, 0 pending, -1 failed (the engine frees the batch), -2 timed out (not
   freed; the async path does not time out in practice). Async status never times out: a
   frozen peer leaves a transfer pending forever, so deadlines are the scheduler's job.
+- The first write to a peer opens its segment (a handshake) while holding a mutex that
+  every submit takes; to a frozen peer that blocks every submit to every peer. Hence
+  `probe` (`send_probe`, which does not take that mutex) before the first write.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ class MooncakeBackend:
     @property
     def session_id(self) -> str:
         return self._session_id
+
+    def probe(self, peer: str) -> bool:
+        # send_probe is a handshake-port RPC outside the binding's segment mutex: a frozen
+        # peer blocks only this call (measured: > 40 s, no timeout), a dead one fails fast.
+        return self._engine.send_probe(peer) == 0
 
     def register_memory(self, addr: int, length: int) -> None:
         rc = self._engine.register_memory(addr, length)

@@ -35,6 +35,7 @@ from lynx.lanes.ranges import AddressError, AddressRanges, check_span
 from lynx.lanes.stats import LaneRecorder, SchedulerStats
 
 log = logging.getLogger(__name__)
+_SUBMIT_RAISED = object()  # the handle of a chunk whose submit_write raised
 
 
 class Lane(enum.IntEnum):
@@ -161,6 +162,12 @@ class _Peer:
         self.session = session
         self.queues: dict[Lane, deque[_Item]] = {lane: deque() for lane in Lane}
         self.in_engine: dict[Lane, int] = dict.fromkeys(Lane, 0)
+        # The engine's first write to a peer opens it (a handshake) under a mutex that every
+        # submit takes, for as long as the peer does not answer: a frozen peer would stall
+        # all peers, forever. So a peer is probed first, on a helper thread, and gets writes
+        # only once it has answered.
+        self.probing = False
+        self.opened = False
 
 
 class LaneScheduler:
@@ -463,10 +470,10 @@ class LaneScheduler:
             with self._lock:
                 now = time.monotonic()
                 self._expire(now)
-                plan = self._plan(now)
+                plan, to_probe = self._plan(now)
                 events, self._events = self._events, []
                 stop = self._abandon or (self._closing and not in_engine)
-                if not (plan or events or stop):
+                if not (plan or to_probe or events or stop):
                     if in_engine:
                         self._wake.wait(backoff)
                         backoff = min(2 * backoff, self._config.poll_max_s)
@@ -476,13 +483,15 @@ class LaneScheduler:
                 self._notify(status)
             if stop:
                 return
+            for peer in to_probe:
+                threading.Thread(target=self._probe, args=(peer,), daemon=True).start()
             for chunk in plan:
                 chunk.handle = self._submit(chunk)
             in_engine.extend(plan)
             resolved = []
             pending = []
             for chunk in in_engine:
-                state = self._backend.poll(chunk.handle)
+                state = self._poll(chunk)
                 (pending if state is BatchState.PENDING else resolved).append((chunk, state))
             in_engine = [chunk for chunk, _ in pending]
             if plan or resolved:
@@ -493,7 +502,35 @@ class LaneScheduler:
                     self._apply(resolved, time.monotonic())
 
     def _submit(self, chunk: _Chunk) -> object:
-        return self._backend.submit_write(chunk.stream.request.peer.session, chunk.transfers)
+        try:
+            return self._backend.submit_write(chunk.stream.request.peer.session, chunk.transfers)
+        except Exception:
+            log.exception("lanes: submit_write to %s raised", chunk.stream.request.peer.session)
+            return _SUBMIT_RAISED
+
+    def _poll(self, chunk: _Chunk) -> BatchState:
+        if chunk.handle is _SUBMIT_RAISED:
+            return BatchState.FAILED
+        return self._backend.poll(chunk.handle)
+
+    def _probe(self, peer: _Peer) -> None:
+        """Helper thread: may block as long as the peer does not answer."""
+        try:
+            reachable = self._backend.probe(peer.session)
+        except Exception:
+            log.exception("lanes: probing %s raised", peer.session)
+            reachable = False
+        with self._lock:
+            peer.probing = False
+            peer.opened = reachable
+            if not reachable:
+                now = time.monotonic()
+                for request in self._requests.values():
+                    if request.peer is peer and not request.settled():
+                        self._end_request(
+                            request, StreamState.FAILED, f"peer {peer.session} unreachable", now
+                        )
+            self._wake.notify()
 
     def _notify(self, status: StreamStatus) -> None:
         if self._on_settled is None:
@@ -519,26 +556,35 @@ class LaneScheduler:
                     now,
                 )
 
-    def _plan(self, now: float) -> list[_Chunk]:
-        """Pick what goes to the engine now: all HIGH work, then LOW chunks into free slots
-        of peers with no HIGH work queued or in the engine."""
+    def _plan(self, now: float) -> tuple[list[_Chunk], list[_Peer]]:
+        """Pick what goes to the engine now, and which new peers to probe first."""
         plan: list[_Chunk] = []
+        to_probe: list[_Peer] = []
         for peer in self._peers.values():
-            high = peer.queues[Lane.HIGH]
-            while high:
-                item = high.popleft()
-                plan.append(self._chunk(item, list(item.transfers), now))
-            low = peer.queues[Lane.LOW]
-            # in_engine[HIGH] already counts the HIGH work planned just above.
-            while (
-                low
-                and not peer.in_engine[Lane.HIGH]
-                and peer.in_engine[Lane.LOW] < self._config.low_inflight
-            ):
-                plan.append(self._chunk(low[0], self._cut(low[0]), now))
-                if not low[0].transfers:
-                    low.popleft()
-        return plan
+            if peer.opened:
+                while (chunk := self._next_chunk(peer, now)) is not None:
+                    plan.append(chunk)
+            elif not peer.probing and any(peer.queues.values()):
+                peer.probing = True
+                to_probe.append(peer)
+        return plan, to_probe
+
+    def _next_chunk(self, peer: _Peer, now: float) -> _Chunk | None:
+        """The priority rule: any HIGH item, whole; else a LOW chunk, if the peer has no
+        HIGH write in the engine and a free LOW slot."""
+        high, low = peer.queues[Lane.HIGH], peer.queues[Lane.LOW]
+        if high:
+            item = high.popleft()
+            return self._chunk(item, list(item.transfers), now)
+        if not low or peer.in_engine[Lane.HIGH]:
+            return None
+        if peer.in_engine[Lane.LOW] >= self._config.low_inflight:
+            return None
+        item = low[0]
+        chunk = self._chunk(item, self._cut(item), now)
+        if not item.transfers:
+            low.popleft()
+        return chunk
 
     def _cut(self, item: _Item) -> list[Transfer]:
         """Take up to `low_chunk_bytes` from the front of a LOW item."""
