@@ -255,7 +255,7 @@ def main() -> None:
     parser.add_argument("--request-mib", type=int, default=64)
     parser.add_argument("--anchor-kib", type=int, default=256)
     parser.add_argument("--anchor-every-ms", type=float, default=20)
-    parser.add_argument("--idle-anchors", type=int, default=40)
+    parser.add_argument("--idle-anchors", type=int, default=100)
     parser.add_argument(
         "--configs", default="1mx1,1mx2,1mx4,256kx2,4mx2", help="LOW chunk x in-flight"
     )
@@ -288,7 +288,7 @@ def main() -> None:
     )
     print(f"\n{title}\n\n{table(results)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / ("lanes" if args.label == "loopback" else f"lanes-{args.label}")
+    stem = RESULTS / f"lanes-{args.label}-anchor{args.anchor_kib}k"
     record = {"title": title, "args": vars(args), "results": [asdict(r) for r in results]}
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
     plot(results, title, stem.with_suffix(".png"))

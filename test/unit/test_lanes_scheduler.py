@@ -427,6 +427,10 @@ def test_config_is_validated():
         LaneConfig(low_inflight=0)
     with pytest.raises(ValueError, match="poll_min_s"):
         LaneConfig(poll_min_s=1e-2, poll_max_s=1e-3)
+    with pytest.raises(ValueError, match="poll_high_s"):
+        LaneConfig(poll_high_s=2e-3, poll_max_s=1e-3)
+    with pytest.raises(ValueError, match="deadline_s"):
+        LaneConfig(deadline_s=0)
 
 
 @settings(max_examples=40, deadline=None)

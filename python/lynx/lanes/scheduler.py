@@ -10,8 +10,8 @@ Threads: callers (`submit`, `abort`, ...) validate and queue under one lock; a s
 driver thread submits to the engine, polls it, enforces deadlines and runs the
 `on_settled` callback. The driver never spins: with transfers in flight it sleeps on a
 condition variable between polls (exponential backoff from `poll_min_s` to `poll_max_s`,
-reset by any progress, cut short by any `submit`); with none in flight it sleeps until
-the next deadline or the next `submit`.
+at most `poll_high_s` while HIGH writes are in flight, reset by any progress, cut short by
+any `submit`); with none in flight it sleeps until the next deadline or the next `submit`.
 
 Units of work: a *stream* is one request's bytes on one lane (the Anchor stream, the
 Residual stream). It may be fed by several `submit` calls (one per prefill chunk, say) and
@@ -90,6 +90,9 @@ class LaneConfig:
     deadline_s: float = 30.0  # default per-request deadline, from register_destination
     poll_min_s: float = 50e-6
     poll_max_s: float = 1e-3
+    # While HIGH writes are in the engine: their landing is what receivers wait for, and
+    # what LOW waits for to resume, so it is noticed within this, not within poll_max_s.
+    poll_high_s: float = 100e-6
 
     def __post_init__(self) -> None:
         if self.low_chunk_bytes <= 0 or self.low_inflight <= 0:
@@ -98,6 +101,8 @@ class LaneConfig:
             raise ValueError("deadline_s must be positive")
         if not 0 < self.poll_min_s <= self.poll_max_s:
             raise ValueError("need 0 < poll_min_s <= poll_max_s")
+        if not 0 < self.poll_high_s <= self.poll_max_s:
+            raise ValueError("need 0 < poll_high_s <= poll_max_s")
 
 
 class _Stream:
@@ -475,7 +480,8 @@ class LaneScheduler:
                 stop = self._abandon or (self._closing and not in_engine)
                 if not (plan or to_probe or events or stop):
                     if in_engine:
-                        self._wake.wait(backoff)
+                        high = any(chunk.stream.lane is Lane.HIGH for chunk in in_engine)
+                        self._wake.wait(min(backoff, self._config.poll_high_s) if high else backoff)
                         backoff = min(2 * backoff, self._config.poll_max_s)
                     else:
                         self._wake.wait(self._until_next_deadline(now))
