@@ -254,3 +254,34 @@ def test_writes_outside_the_grant_never_reach_the_engine(sender, peers):
     assert_landed(sender, peer, [outside])
     lanes.abort("fenced")
     lanes.release("fenced")
+
+
+def wait_resolved(backend, handle) -> BatchState:
+    while (state := backend.poll(handle)) is BatchState.PENDING:
+        time.sleep(0.0005)
+    return state
+
+
+def test_backend_batch_is_done_only_when_every_part_landed(sender, peers):
+    """The engine's status call looks at a batch's first entry only; ours must not."""
+    peer = peers()
+    parts = [
+        Transfer(sender.base, peer.base, 4096),
+        Transfer(sender.base + MIB, peer.base + MIB, 96 * MIB),
+    ]
+    handle = sender.backend.submit_write(peer.session, parts)
+    assert wait_resolved(sender.backend, handle) is BatchState.DONE
+    tail = Transfer(
+        parts[1].src + parts[1].length - 4096, parts[1].dst + parts[1].length - 4096, 4096
+    )
+    assert_landed(sender, peer, [tail])  # at once: the last bytes of the last part are there
+    assert_landed(sender, peer, parts)
+
+
+def test_backend_batch_with_a_refused_part_fails_after_the_rest_resolved(sender, peers):
+    peer = peers()
+    good = Transfer(sender.base, peer.base, 32 * MIB)
+    refused = Transfer(sender.base, peer.base + PEER_SIZE, 4096)  # past the peer's buffer
+    handle = sender.backend.submit_write(peer.session, [good, refused])
+    assert wait_resolved(sender.backend, handle) is BatchState.FAILED
+    assert_landed(sender, peer, [good])
