@@ -7,7 +7,7 @@ side in one process:
 
 - idle:  the Anchors alone (no backlog): the latency to beat.
 - fifo:  the backlog submitted to the engine all at once (one FIFO per peer, as without
-         lanes), Anchors submitted on arrival behind it.
+         lanes), Anchors submitted on arrival behind it (the lanes with LOW unbounded).
 - lanes: the backlog on the LOW lane (chunk size / chunks in flight per config), Anchors on
          HIGH.
 
@@ -49,13 +49,17 @@ RESULTS = ROOT / "benchmark" / "results"
 ANCHOR_SLOTS = 64
 
 
+# FIFO is the lanes with LOW unbounded: the whole backlog goes to the engine at once, and
+# Anchors queue behind it, as without lanes; same driver and polling as the lanes modes.
+UNBOUNDED = 1 << 40
+
+
 @dataclass(frozen=True)
 class Mode:
     name: str
     backlog: bool
-    backlog_lane: Lane
-    chunk_bytes: int = MIB
-    inflight: int = 2
+    chunk_bytes: int = UNBOUNDED
+    inflight: int = UNBOUNDED
 
 
 @dataclass
@@ -100,7 +104,7 @@ class Bench:
 
         def settled(status: StreamStatus) -> None:
             done[status.request_id] = time.perf_counter()
-            if status.request_id.startswith("backlog") and status.lane is mode.backlog_lane:
+            if status.request_id.startswith("backlog") and status.lane is Lane.LOW:
                 backlog_settled[0] += 1
                 if backlog_settled[0] == n_backlog:
                     drained.set()
@@ -119,7 +123,7 @@ class Bench:
         started = time.perf_counter()
         for i in range(n_backlog):
             rid = f"backlog-{i}"
-            self._send(lanes, rid, mode.backlog_lane, self.src, self.peer.base, self.request_bytes)
+            self._send(lanes, rid, Lane.LOW, self.src, self.peer.base, self.request_bytes)
         submitted: dict[str, float] = {}
         interval = self.args.anchor_every_ms / 1000
         i = 0
@@ -141,7 +145,7 @@ class Bench:
         for rid in submitted:
             lanes.wait(rid, Lane.HIGH, timeout=600)
         for j in range(n_backlog):
-            lanes.wait(f"backlog-{j}", mode.backlog_lane, timeout=600)
+            lanes.wait(f"backlog-{j}", Lane.LOW, timeout=600)
         drained_at = max((done[f"backlog-{j}"] for j in range(n_backlog)), default=started)
         lanes.unregister_source(self.src)  # the next mode's scheduler registers it again
         assert lanes.close()
@@ -150,8 +154,8 @@ class Bench:
         lat = sorted(1000 * (done[rid] - t) for rid, t in submitted.items())
         return Outcome(
             mode=mode.name,
-            chunk_kib=mode.chunk_bytes // KIB if mode.backlog_lane is Lane.LOW else None,
-            inflight=mode.inflight if mode.backlog_lane is Lane.LOW else None,
+            chunk_kib=mode.chunk_bytes // KIB if mode.chunk_bytes < UNBOUNDED else None,
+            inflight=mode.inflight if mode.inflight < UNBOUNDED else None,
             anchors=len(lat),
             anchor_p50_ms=statistics.median(lat),
             anchor_p99_ms=lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
@@ -174,14 +178,11 @@ class Bench:
 
 
 def modes(args: argparse.Namespace) -> list[Mode]:
-    out = [Mode("idle", backlog=False, backlog_lane=Lane.HIGH)]
-    out.append(Mode("fifo", backlog=True, backlog_lane=Lane.HIGH))
+    out = [Mode("idle", backlog=False), Mode("fifo", backlog=True)]
     for spec in args.configs.split(","):
         chunk, inflight = spec.split("x")
-        out.append(
-            Mode(f"lanes {chunk}x{inflight}", True, Lane.LOW, parse_size(chunk), int(inflight))
-        )
-    out.append(Mode("idle (again)", backlog=False, backlog_lane=Lane.HIGH))
+        out.append(Mode(f"lanes {chunk}x{inflight}", True, parse_size(chunk), int(inflight)))
+    out.append(Mode("idle (again)", backlog=False))
     return out
 
 
