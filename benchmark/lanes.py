@@ -63,7 +63,19 @@ class Mode:
 
 
 @dataclass
+class Round:
+    """One run of one mode."""
+
+    anchor_latencies_ms: list[float]
+    backlog_gbps: float | None  # GB/s, 1e9 bytes
+    driver_cpu: float  # driver thread CPU seconds / wall seconds
+    process_cpu: float  # sender process CPU seconds / wall seconds (engine threads too)
+
+
+@dataclass
 class Outcome:
+    """A mode over all rounds: Anchor latencies pooled, medians of the rest."""
+
     mode: str
     chunk_kib: int | None
     inflight: int | None
@@ -71,10 +83,28 @@ class Outcome:
     anchor_p50_ms: float
     anchor_p99_ms: float
     anchor_max_ms: float
-    backlog_gbps: float | None  # GB/s, 1e9 bytes
-    driver_cpu: float  # driver thread CPU seconds / wall seconds
-    process_cpu: float  # sender process CPU seconds / wall seconds (engine threads too)
-    anchor_latencies_ms: list[float]
+    backlog_gbps: float | None
+    driver_cpu: float
+    process_cpu: float
+    rounds: list[Round]
+
+    @classmethod
+    def of(cls, mode: Mode, rounds: list[Round]) -> Outcome:
+        lat = sorted(x for r in rounds for x in r.anchor_latencies_ms)
+        tput = [r.backlog_gbps for r in rounds if r.backlog_gbps is not None]
+        return cls(
+            mode=mode.name,
+            chunk_kib=mode.chunk_bytes // KIB if mode.chunk_bytes < UNBOUNDED else None,
+            inflight=mode.inflight if mode.inflight < UNBOUNDED else None,
+            anchors=len(lat),
+            anchor_p50_ms=statistics.median(lat),
+            anchor_p99_ms=lat[round(0.99 * (len(lat) - 1))],
+            anchor_max_ms=lat[-1],
+            backlog_gbps=statistics.median(tput) if tput else None,
+            driver_cpu=statistics.median(r.driver_cpu for r in rounds),
+            process_cpu=statistics.median(r.process_cpu for r in rounds),
+            rounds=rounds,
+        )
 
 
 class Bench:
@@ -96,7 +126,7 @@ class Bench:
     def close(self) -> None:
         self.peer.close()
 
-    def run(self, mode: Mode, rounds: int) -> Outcome:
+    def run(self, mode: Mode) -> Round:
         done: dict[str, float] = {}
         n_backlog = self.args.backlog_mib * MIB // self.request_bytes if mode.backlog else 0
         backlog_settled = [0]
@@ -114,6 +144,7 @@ class Bench:
             low_inflight=mode.inflight,
             deadline_s=600,
             poll_max_s=self.args.poll_max_us * 1e-6,
+            poll_high_s=self.args.poll_high_us * 1e-6,
         )
         cpu0, wall0 = time.process_time(), time.perf_counter()
         lanes = LaneScheduler(self.backend, config, on_settled=settled)
@@ -128,7 +159,7 @@ class Bench:
         interval = self.args.anchor_every_ms / 1000
         i = 0
         # Anchors keep arriving while the backlog drains (or `rounds` of them on an idle link).
-        while not drained.is_set() if mode.backlog else i < rounds:
+        while not drained.is_set() if mode.backlog else i < self.args.idle_anchors:
             time.sleep(interval)
             rid = f"anchor-{i}"
             slot = (i % ANCHOR_SLOTS) * self.anchor_bytes
@@ -151,21 +182,13 @@ class Bench:
         assert lanes.close()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         driver = lanes.stats().driver_cpu_s
-        lat = sorted(1000 * (done[rid] - t) for rid, t in submitted.items())
-        return Outcome(
-            mode=mode.name,
-            chunk_kib=mode.chunk_bytes // KIB if mode.chunk_bytes < UNBOUNDED else None,
-            inflight=mode.inflight if mode.inflight < UNBOUNDED else None,
-            anchors=len(lat),
-            anchor_p50_ms=statistics.median(lat),
-            anchor_p99_ms=lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
-            anchor_max_ms=lat[-1],
+        return Round(
+            anchor_latencies_ms=[1000 * (done[rid] - t) for rid, t in submitted.items()],
             backlog_gbps=n_backlog * self.request_bytes / (drained_at - started) / 1e9
             if n_backlog
             else None,
             driver_cpu=driver / wall,
             process_cpu=cpu / wall,
-            anchor_latencies_ms=lat,
         )
 
     def _send(
@@ -182,7 +205,6 @@ def modes(args: argparse.Namespace) -> list[Mode]:
     for spec in args.configs.split(","):
         chunk, inflight = spec.split("x")
         out.append(Mode(f"lanes {chunk}x{inflight}", True, parse_size(chunk), int(inflight)))
-    out.append(Mode("idle (again)", backlog=False))
     return out
 
 
@@ -192,9 +214,8 @@ def parse_size(text: str) -> int:
 
 
 def table(results: list[Outcome]) -> str:
-    idle = [r for r in results if r.mode.startswith("idle")]
-    idle_p50 = statistics.mean(r.anchor_p50_ms for r in idle)
-    idle_p99 = statistics.mean(r.anchor_p99_ms for r in idle)
+    idle = next(r for r in results if r.mode == "idle")
+    idle_p50, idle_p99 = idle.anchor_p50_ms, idle.anchor_p99_ms
     fifo = next(r for r in results if r.mode == "fifo")
     rows = [
         "| mode | anchors | p50 ms | p99 ms | p50/idle | p99/idle | Residual GB/s "
@@ -256,11 +277,13 @@ def main() -> None:
     parser.add_argument("--request-mib", type=int, default=64)
     parser.add_argument("--anchor-kib", type=int, default=256)
     parser.add_argument("--anchor-every-ms", type=float, default=20)
-    parser.add_argument("--idle-anchors", type=int, default=100)
+    parser.add_argument("--idle-anchors", type=int, default=50, help="per round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--configs", default="1mx1,1mx2,1mx4,256kx2,4mx2", help="LOW chunk x in-flight"
     )
     parser.add_argument("--poll-max-us", type=float, default=LaneConfig.poll_max_s * 1e6)
+    parser.add_argument("--poll-high-us", type=float, default=LaneConfig.poll_high_s * 1e6)
     parser.add_argument("--link", help="tbf rate (e.g. 1gbit): run over a shaped netns link")
     parser.add_argument("--sender-host", default="127.0.0.1")
     parser.add_argument("--peer-host", default="127.0.0.1")
@@ -271,21 +294,23 @@ def main() -> None:
         sys.exit(run_inside_link(args))
 
     bench = Bench(args)
-    results = []
+    runs: dict[Mode, list[Round]] = {mode: [] for mode in modes(args)}
     try:
-        for mode in modes(args):
-            results.append(bench.run(mode, args.idle_anchors))
-            r = results[-1]
-            print(
-                f"{r.mode:>14}: p50 {r.anchor_p50_ms:8.2f} ms  p99 {r.anchor_p99_ms:8.2f} ms  "
-                f"backlog {r.backlog_gbps or 0:.2f} GB/s",
-                flush=True,
-            )
+        for n in range(args.rounds):  # interleaved, so every mode sees the same load drift
+            for mode, rounds in runs.items():
+                rounds.append(bench.run(mode))
+                lat = sorted(rounds[-1].anchor_latencies_ms)
+                print(
+                    f"round {n} {mode.name:>14}: p50 {statistics.median(lat):8.2f} ms  "
+                    f"max {lat[-1]:8.2f} ms  backlog {rounds[-1].backlog_gbps or 0:.2f} GB/s",
+                    flush=True,
+                )
     finally:
         bench.close()
+    results = [Outcome.of(mode, rounds) for mode, rounds in runs.items()]
     title = (
         f"lanes, {args.label}: {args.anchor_kib} KiB Anchors every {args.anchor_every_ms:g} ms "
-        f"during a {args.backlog_mib} MiB Residual backlog"
+        f"during a {args.backlog_mib} MiB Residual backlog, {args.rounds} rounds"
     )
     print(f"\n{title}\n\n{table(results)}")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -477,18 +477,3 @@ def test_unreachable_peer_fails_its_requests_only(fake):
     assert lanes.wait("kept", Lane.HIGH, 5).state is StreamState.DONE
     assert [b.peer for b in fake.batches] == [PEER]
     assert lanes.close()
-
-
-def test_fast_polling_only_once_a_high_write_heads_its_peer_queue():
-    from lynx.lanes.ranges import AddressRanges
-    from lynx.lanes.scheduler import _Chunk, _high_at_head, _Peer, _Request, _Stream
-
-    def chunk(peer: _Peer, lane: Lane) -> _Chunk:
-        stream = _Stream(_Request("r", peer, AddressRanges(), 1.0), lane)
-        return _Chunk(stream, [], 0)
-
-    a, b = _Peer("a:1"), _Peer("b:1")
-    assert not _high_at_head([])
-    assert not _high_at_head([chunk(a, Lane.LOW), chunk(a, Lane.HIGH)])  # behind a LOW chunk
-    assert _high_at_head([chunk(a, Lane.HIGH), chunk(a, Lane.LOW)])
-    assert _high_at_head([chunk(a, Lane.LOW), chunk(b, Lane.HIGH)])  # heads b's queue

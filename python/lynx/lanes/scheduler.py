@@ -10,8 +10,8 @@ Threads: callers (`submit`, `abort`, ...) validate and queue under one lock; a s
 driver thread submits to the engine, polls it, enforces deadlines and runs the
 `on_settled` callback. The driver never spins: with transfers in flight it sleeps on a
 condition variable between polls (exponential backoff from `poll_min_s` to `poll_max_s`,
-at most `poll_high_s` while a HIGH write heads its peer's engine queue, reset by any
-progress, cut short by any `submit`); with none in flight it sleeps until the next
+at most `poll_high_s` while HIGH writes are in flight, reset by any progress, cut short by
+any `submit`); with none in flight it sleeps until the next
 deadline or the next `submit`.
 
 Units of work: a *stream* is one request's bytes on one lane (the Anchor stream, the
@@ -91,9 +91,10 @@ class LaneConfig:
     deadline_s: float = 30.0  # default per-request deadline, from register_destination
     poll_min_s: float = 50e-6
     poll_max_s: float = 1e-3
-    # While a HIGH write is at the head of its peer's queue in the engine: its landing is
-    # what receivers wait for, and what LOW waits for to resume, so it is noticed within
-    # this, not within poll_max_s.
+    # While HIGH writes are in the engine: their landing is what receivers wait for, and
+    # what LOW waits for to resume, so it is noticed within this, not within poll_max_s.
+    # (Mooncake runs a peer's first 4 transfers in parallel, one per TCP connection, so a
+    # HIGH write may land before LOW chunks submitted ahead of it.)
     poll_high_s: float = 100e-6
 
     def __post_init__(self) -> None:
@@ -175,20 +176,6 @@ class _Peer:
         # only once it has answered.
         self.probing = False
         self.opened = False
-
-
-def _high_at_head(in_engine: list[_Chunk]) -> bool:
-    """True if some peer's oldest write in the engine is a HIGH one. The engine serves a
-    peer in submission order, so a HIGH write cannot land before the LOW chunks submitted
-    ahead of it: polling fast for it only pays once it is at the head."""
-    heads: set[int] = set()
-    for chunk in in_engine:  # in submission order
-        peer = id(chunk.stream.request.peer)
-        if peer not in heads:
-            if chunk.stream.lane is Lane.HIGH:
-                return True
-            heads.add(peer)
-    return False
 
 
 class LaneScheduler:
@@ -496,8 +483,8 @@ class LaneScheduler:
                 stop = self._abandon or (self._closing and not in_engine)
                 if not (plan or to_probe or events or stop):
                     if in_engine:
-                        fast = _high_at_head(in_engine)
-                        self._wake.wait(min(backoff, self._config.poll_high_s) if fast else backoff)
+                        high = any(chunk.stream.lane is Lane.HIGH for chunk in in_engine)
+                        self._wake.wait(min(backoff, self._config.poll_high_s) if high else backoff)
                         backoff = min(2 * backoff, self._config.poll_max_s)
                     else:
                         self._wake.wait(self._until_next_deadline(now))
