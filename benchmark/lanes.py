@@ -12,9 +12,12 @@ side in one process:
          HIGH.
 
 Reported: Anchor completion latency (submit() to the scheduler seeing it landed) p50/p99,
-as ratios to idle; Residual throughput (backlog bytes / time to drain it), as a ratio to
-fifo; CPU of the lanes' driver thread and of the whole sender process, as fractions of
-wall time. Writes benchmark/results/lanes[-LABEL].json and .png.
+as ratios to idle; Residual throughput (backlog bytes / time to drain it) and goodput
+(Residual + Anchor bytes landed while it drained / that time), as ratios to fifo (under
+fifo the Anchors wait until the backlog is through, under the lanes they take their share
+of the link during the drain); CPU of the lanes' driver thread and of the whole sender
+process, as fractions of wall time. Modes are interleaved over `--rounds` rounds. Writes
+benchmark/results/lanes-LABEL-anchorNk.json and .png.
 
     PYTHONPATH=python python benchmark/lanes.py                   # loopback
     PYTHONPATH=python python benchmark/lanes.py --link 1gbit --backlog-mib 256
@@ -67,7 +70,8 @@ class Round:
     """One run of one mode."""
 
     anchor_latencies_ms: list[float]
-    backlog_gbps: float | None  # GB/s, 1e9 bytes
+    backlog_gbps: float | None  # Residual bytes / drain time, GB/s (1e9 bytes)
+    goodput_gbps: float | None  # (Residual + Anchor bytes landed while draining) / drain time
     driver_cpu: float  # driver thread CPU seconds / wall seconds
     process_cpu: float  # sender process CPU seconds / wall seconds (engine threads too)
 
@@ -84,6 +88,7 @@ class Outcome:
     anchor_p99_ms: float
     anchor_max_ms: float
     backlog_gbps: float | None
+    goodput_gbps: float | None
     driver_cpu: float
     process_cpu: float
     rounds: list[Round]
@@ -92,6 +97,7 @@ class Outcome:
     def of(cls, mode: Mode, rounds: list[Round]) -> Outcome:
         lat = sorted(x for r in rounds for x in r.anchor_latencies_ms)
         tput = [r.backlog_gbps for r in rounds if r.backlog_gbps is not None]
+        goodput = [r.goodput_gbps for r in rounds if r.goodput_gbps is not None]
         return cls(
             mode=mode.name,
             chunk_kib=mode.chunk_bytes // KIB if mode.chunk_bytes < UNBOUNDED else None,
@@ -101,6 +107,7 @@ class Outcome:
             anchor_p99_ms=lat[round(0.99 * (len(lat) - 1))],
             anchor_max_ms=lat[-1],
             backlog_gbps=statistics.median(tput) if tput else None,
+            goodput_gbps=statistics.median(goodput) if goodput else None,
             driver_cpu=statistics.median(r.driver_cpu for r in rounds),
             process_cpu=statistics.median(r.process_cpu for r in rounds),
             rounds=rounds,
@@ -182,11 +189,13 @@ class Bench:
         assert lanes.close()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         driver = lanes.stats().driver_cpu_s
+        drain_s = drained_at - started
+        backlog = n_backlog * self.request_bytes
+        anchors_in_drain = sum(done[rid] <= drained_at for rid in submitted) * self.anchor_bytes
         return Round(
             anchor_latencies_ms=[1000 * (done[rid] - t) for rid, t in submitted.items()],
-            backlog_gbps=n_backlog * self.request_bytes / (drained_at - started) / 1e9
-            if n_backlog
-            else None,
+            backlog_gbps=backlog / drain_s / 1e9 if n_backlog else None,
+            goodput_gbps=(backlog + anchors_in_drain) / drain_s / 1e9 if n_backlog else None,
             driver_cpu=driver / wall,
             process_cpu=cpu / wall,
         )
@@ -219,16 +228,19 @@ def table(results: list[Outcome]) -> str:
     fifo = next(r for r in results if r.mode == "fifo")
     rows = [
         "| mode | anchors | p50 ms | p99 ms | p50/idle | p99/idle | Residual GB/s "
-        "| vs fifo | driver CPU | process CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs fifo | goodput vs fifo | driver CPU | process CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        tput = f"{r.backlog_gbps:.2f}" if r.backlog_gbps else "-"
-        vs = f"{r.backlog_gbps / fifo.backlog_gbps:.2f}" if r.backlog_gbps else "-"
+        tput = vs = good = "-"
+        if r.backlog_gbps and r.goodput_gbps and fifo.backlog_gbps and fifo.goodput_gbps:
+            tput = f"{r.backlog_gbps:.3f}"
+            vs = f"{r.backlog_gbps / fifo.backlog_gbps:.2f}"
+            good = f"{r.goodput_gbps / fifo.goodput_gbps:.2f}"
         rows.append(
             f"| {r.mode} | {r.anchors} | {r.anchor_p50_ms:.2f} | {r.anchor_p99_ms:.2f} "
             f"| {r.anchor_p50_ms / idle_p50:.2f} | {r.anchor_p99_ms / idle_p99:.2f} | {tput} "
-            f"| {vs} | {100 * r.driver_cpu:.1f}% | {100 * r.process_cpu:.0f}% |"
+            f"| {vs} | {good} | {100 * r.driver_cpu:.1f}% | {100 * r.process_cpu:.0f}% |"
         )
     return "\n".join(rows)
 
