@@ -110,6 +110,7 @@ def fake():
 
 def make(backend, **config) -> tuple[LaneScheduler, list[StreamStatus]]:
     settled: list[StreamStatus] = []
+    config.setdefault("low_chunk_s", None)  # fixed chunk sizes, unless a test paces them
     config.setdefault("low_chunk_bytes", 64 * KIB)
     config.setdefault("low_inflight", 2)
     config.setdefault("poll_max_s", 1e-3)
@@ -431,6 +432,10 @@ def test_config_is_validated():
         LaneConfig(poll_high_s=2e-3, poll_max_s=1e-3)
     with pytest.raises(ValueError, match="deadline_s"):
         LaneConfig(deadline_s=0)
+    with pytest.raises(ValueError, match="low_chunk_s"):
+        LaneConfig(low_chunk_s=0)
+    with pytest.raises(ValueError, match="low_chunk_min_bytes"):
+        LaneConfig(low_chunk_min_bytes=2 << 20, low_chunk_max_bytes=1 << 20)
 
 
 @settings(max_examples=40, deadline=None)
@@ -442,7 +447,8 @@ def test_config_is_validated():
 def test_chunking_moves_every_byte_exactly_once(lengths, gaps, chunk):
     """Whatever the chunk size, the chunks replay the submitted src->dst byte mapping."""
     fake = FakeBackend(auto=True)
-    lanes = LaneScheduler(fake, LaneConfig(low_chunk_bytes=chunk, poll_max_s=1e-4))
+    config = LaneConfig(low_chunk_s=None, low_chunk_bytes=chunk, poll_max_s=1e-4)
+    lanes = LaneScheduler(fake, config)
     lanes.register_source(SRC, SRC_LEN)
     lanes.register_destination("r", PEER, [(DST, 1 << 20)], lanes=[Lane.LOW])
     transfers, src, dst = [], SRC, DST
@@ -476,4 +482,27 @@ def test_unreachable_peer_fails_its_requests_only(fake):
     lanes.submit("kept", Lane.HIGH, [(SRC, DST, 16)], last=True)
     assert lanes.wait("kept", Lane.HIGH, 5).state is StreamState.DONE
     assert [b.peer for b in fake.batches] == [PEER]
+    assert lanes.close()
+
+
+def test_low_chunks_are_sized_from_the_measured_drain_rate(fake):
+    # min == max: once any rate is measured the chunk size is pinned, whatever the timing.
+    lanes, _ = make(
+        fake,
+        low_inflight=1,
+        low_chunk_s=2e-3,
+        low_chunk_bytes=64 * KIB,
+        low_chunk_min_bytes=100 * KIB,
+        low_chunk_max_bytes=100 * KIB,
+    )
+    grant(lanes, "r", 0, 1024 * KIB, lanes=[Lane.LOW])
+    lanes.submit("r", Lane.LOW, [(SRC, DST, 400 * KIB)], last=True)
+    sizes = []
+    for n in range(1, 5):
+        batch = fake.wait_batches(n)[-1]
+        sizes.append(batch.nbytes // KIB)
+        fake.resolve(batch)
+    assert sizes == [64, 100, 100, 100]  # unmeasured: low_chunk_bytes; then paced
+    fake.drain()
+    assert lanes.wait("r", Lane.LOW, 5).state is StreamState.DONE
     assert lanes.close()

@@ -1,10 +1,11 @@
 """Two priority lanes over a transfer engine that has none.
 
-The engine serves each peer from one FIFO, so a small Anchor submitted behind a large
-Residual waits for all of it. `LaneScheduler` keeps the Residual (LOW) in its own queue and
-feeds it to the engine in chunks, a bounded number at a time, and only while no Anchor
-(HIGH) work for that peer is queued or in flight. HIGH work goes to the engine as soon as
-it is submitted. So a HIGH transfer waits behind at most `low_inflight` LOW chunks.
+The engine has no priority: a small Anchor submitted behind a large Residual waits for
+most of it. `LaneScheduler` keeps the Residual (LOW) in its own queue and feeds it to the
+engine in chunks (sized to ~2 ms of link time at the peer's measured drain rate), a
+bounded number at a time, and only while no Anchor (HIGH) work for that peer is queued or
+in flight. HIGH work goes to the engine as soon as it is submitted. So a HIGH transfer
+competes with at most `low_inflight` LOW chunks.
 
 Threads: callers (`submit`, `abort`, ...) validate and queue under one lock; a single
 driver thread submits to the engine, polls it, enforces deadlines and runs the
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lynx.lanes.backend import BatchState, Transfer, TransferBackend
+from lynx.lanes.pacing import DrainRate
 from lynx.lanes.ranges import AddressError, AddressRanges, check_span
 from lynx.lanes.stats import LaneRecorder, SchedulerStats
 
@@ -84,9 +86,15 @@ class StreamStatus:
 
 @dataclass(frozen=True)
 class LaneConfig:
-    """Scheduling knobs. Defaults measured on loopback TCP (benchmark/lanes.py)."""
+    """Scheduling knobs; defaults from benchmark/lanes.py (loopback and a 1 Gbit/s link)."""
 
+    # LOW chunk size: `low_chunk_s` of link time at the peer's measured drain rate, within
+    # [low_chunk_min_bytes, low_chunk_max_bytes]; `low_chunk_bytes` until it is measured,
+    # and always if `low_chunk_s` is None.
+    low_chunk_s: float | None = 2e-3
     low_chunk_bytes: int = 1 << 20
+    low_chunk_min_bytes: int = 64 << 10
+    low_chunk_max_bytes: int = 16 << 20
     low_inflight: int = 2  # LOW chunks in the engine per peer: a HIGH write waits behind these
     deadline_s: float = 30.0  # default per-request deadline, from register_destination
     poll_min_s: float = 50e-6
@@ -100,6 +108,10 @@ class LaneConfig:
     def __post_init__(self) -> None:
         if self.low_chunk_bytes <= 0 or self.low_inflight <= 0:
             raise ValueError("low_chunk_bytes and low_inflight must be positive")
+        if self.low_chunk_s is not None and self.low_chunk_s <= 0:
+            raise ValueError("low_chunk_s must be positive (or None for fixed chunks)")
+        if not 0 < self.low_chunk_min_bytes <= self.low_chunk_max_bytes:
+            raise ValueError("need 0 < low_chunk_min_bytes <= low_chunk_max_bytes")
         if self.deadline_s <= 0:
             raise ValueError("deadline_s must be positive")
         if not 0 < self.poll_min_s <= self.poll_max_s:
@@ -176,6 +188,7 @@ class _Peer:
         # only once it has answered.
         self.probing = False
         self.opened = False
+        self.drain = DrainRate()
 
 
 class LaneScheduler:
@@ -596,8 +609,16 @@ class LaneScheduler:
         return chunk
 
     def _cut(self, item: _Item) -> list[Transfer]:
-        """Take up to `low_chunk_bytes` from the front of a LOW item."""
-        budget = self._config.low_chunk_bytes
+        """Take up to one LOW chunk's worth of bytes from the front of a LOW item."""
+        config = self._config
+        budget = config.low_chunk_bytes
+        if config.low_chunk_s is not None:
+            budget = item.stream.request.peer.drain.chunk_bytes(
+                config.low_chunk_s,
+                config.low_chunk_bytes,
+                config.low_chunk_min_bytes,
+                config.low_chunk_max_bytes,
+            )
         taken: list[Transfer] = []
         queue = item.transfers
         while queue and budget:
@@ -612,18 +633,22 @@ class LaneScheduler:
     def _chunk(self, item: _Item, transfers: list[Transfer], now: float) -> _Chunk:
         stream = item.stream
         stream.request.peer.in_engine[stream.lane] += 1
+        stream.request.peer.drain.started(now)
         stream.request.chunks_in_engine += 1
         self._recorders[stream.lane].queue_delays.append(now - item.enqueued_at)
         return _Chunk(stream, transfers, sum(t.length for t in transfers))
 
     def _apply(self, resolved: list[tuple[_Chunk, BatchState]], now: float) -> None:
+        landed: dict[_Peer, int] = {}
         for chunk, state in resolved:
             stream = chunk.stream
             request = stream.request
             request.peer.in_engine[stream.lane] -= 1
             request.chunks_in_engine -= 1
             recorder = self._recorders[stream.lane]
+            landed.setdefault(request.peer, 0)
             if state is BatchState.DONE:
+                landed[request.peer] += chunk.nbytes
                 recorder.bytes += chunk.nbytes
                 recorder.chunks += 1
             else:
@@ -641,3 +666,5 @@ class LaneScheduler:
                     f"{stream.lane.name} write to {request.peer.session} failed in the engine",
                     now,
                 )
+        for peer, nbytes in landed.items():
+            peer.drain.landed(nbytes, now, busy=any(peer.in_engine.values()))
