@@ -63,6 +63,7 @@ class Mode:
     backlog: bool
     chunk_bytes: int = UNBOUNDED
     inflight: int = UNBOUNDED
+    chunk_s: float | None = None  # paced: chunk = this much link time (LaneConfig.low_chunk_s)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Outcome:
 
     mode: str
     chunk_kib: int | None
+    chunk_ms: float | None
     inflight: int | None
     anchors: int
     anchor_p50_ms: float
@@ -101,6 +103,7 @@ class Outcome:
         return cls(
             mode=mode.name,
             chunk_kib=mode.chunk_bytes // KIB if mode.chunk_bytes < UNBOUNDED else None,
+            chunk_ms=mode.chunk_s * 1e3 if mode.chunk_s is not None else None,
             inflight=mode.inflight if mode.inflight < UNBOUNDED else None,
             anchors=len(lat),
             anchor_p50_ms=statistics.median(lat),
@@ -147,7 +150,8 @@ class Bench:
                     drained.set()
 
         config = LaneConfig(
-            low_chunk_bytes=mode.chunk_bytes,
+            low_chunk_s=mode.chunk_s,
+            low_chunk_bytes=mode.chunk_bytes if mode.chunk_s is None else MIB,
             low_inflight=mode.inflight,
             deadline_s=600,
             poll_max_s=self.args.poll_max_us * 1e-6,
@@ -213,7 +217,11 @@ def modes(args: argparse.Namespace) -> list[Mode]:
     out = [Mode("idle", backlog=False), Mode("fifo", backlog=True)]
     for spec in args.configs.split(","):
         chunk, inflight = spec.split("x")
-        out.append(Mode(f"lanes {chunk}x{inflight}", True, parse_size(chunk), int(inflight)))
+        name = f"lanes {chunk}x{inflight}"
+        if chunk.endswith("ms"):
+            out.append(Mode(name, True, inflight=int(inflight), chunk_s=float(chunk[:-2]) / 1e3))
+        else:
+            out.append(Mode(name, True, parse_size(chunk), int(inflight)))
     return out
 
 
@@ -292,7 +300,9 @@ def main() -> None:
     parser.add_argument("--idle-anchors", type=int, default=50, help="per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--configs", default="1mx1,1mx2,1mx4,256kx2,4mx2", help="LOW chunk x in-flight"
+        "--configs",
+        default="2msx2,1mx2,4mx2,256kx2",
+        help="LOW chunk (bytes, or ms of link time: paced) x chunks in flight",
     )
     parser.add_argument("--poll-max-us", type=float, default=LaneConfig.poll_max_s * 1e6)
     parser.add_argument("--poll-high-us", type=float, default=LaneConfig.poll_high_s * 1e6)
