@@ -269,9 +269,19 @@ def plot(results: list[Outcome], title: str, path: Path) -> None:
     ax1.set_xticks(list(xs), names, rotation=30, ha="right")
     ax1.legend()
     with_backlog = [r for r in results if r.backlog_gbps]
-    ax2.bar([r.mode for r in with_backlog], [r.backlog_gbps or 0 for r in with_backlog])
-    ax2.set_ylabel("Residual throughput (GB/s)")
-    ax2.tick_params(axis="x", rotation=30)
+    xs2 = range(len(with_backlog))
+    ax2.bar(
+        [x - 0.2 for x in xs2], [r.backlog_gbps or 0 for r in with_backlog], 0.4, label="Residual"
+    )
+    ax2.bar(
+        [x + 0.2 for x in xs2],
+        [r.goodput_gbps or 0 for r in with_backlog],
+        0.4,
+        label="Residual + Anchors landed while draining",
+    )
+    ax2.set_ylabel("throughput during the drain (GB/s)")
+    ax2.set_xticks(list(xs2), [r.mode for r in with_backlog], rotation=30, ha="right")
+    ax2.legend(loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

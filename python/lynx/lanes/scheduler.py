@@ -12,8 +12,8 @@ driver thread submits to the engine, polls it, enforces deadlines and runs the
 `on_settled` callback. The driver never spins: with transfers in flight it sleeps on a
 condition variable between polls (exponential backoff from `poll_min_s` to `poll_max_s`,
 at most `poll_high_s` while HIGH writes are in flight, reset by any progress, cut short by
-any `submit`); with none in flight it sleeps until the next
-deadline or the next `submit`.
+any `submit`); with none in flight it sleeps until the next deadline or the next `submit`.
+It never calls the engine's sync APIs or batch wait, which spin a core.
 
 Units of work: a *stream* is one request's bytes on one lane (the Anchor stream, the
 Residual stream). It may be fed by several `submit` calls (one per prefill chunk, say) and
@@ -95,7 +95,7 @@ class LaneConfig:
     low_chunk_bytes: int = 1 << 20
     low_chunk_min_bytes: int = 64 << 10
     low_chunk_max_bytes: int = 16 << 20
-    low_inflight: int = 2  # LOW chunks in the engine per peer: a HIGH write waits behind these
+    low_inflight: int = 2  # LOW chunks in the engine per peer: what a HIGH write competes with
     deadline_s: float = 30.0  # default per-request deadline, from register_destination
     poll_min_s: float = 50e-6
     poll_max_s: float = 1e-3
