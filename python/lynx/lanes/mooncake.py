@@ -91,8 +91,10 @@ class MooncakeBackend:
 
     def poll(self, handle: object) -> BatchState:
         assert isinstance(handle, _MooncakeBatch)
-        # Transfers to one peer drain roughly in submission order: stop at the first pending.
-        # A failed batch stays PENDING until its other parts resolve, so the engine frees them.
+        # Parts resolve roughly in submission order (the engine runs a peer's first 4 in
+        # parallel, queues the rest), so stopping at the first pending one costs one status
+        # call per poll. A failed batch stays PENDING until its other parts resolve, so that
+        # the engine frees them and the caller knows nothing of it is still being read.
         while handle.resolved < len(handle.ids):
             status = self._engine.transfer_check_status(handle.ids[handle.resolved])
             if status == _PENDING:
