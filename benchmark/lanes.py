@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
-import os
 import statistics
 import subprocess
 import sys
@@ -354,5 +353,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOG_minloglevel", "2")  # quiet the engine's INFO lines
     main()
