@@ -1,0 +1,670 @@
+"""Two priority lanes over a transfer engine that has none.
+
+The engine has no priority: a small Anchor submitted behind a large Residual waits for
+most of it. `LaneScheduler` keeps the Residual (LOW) in its own queue and feeds it to the
+engine in chunks (sized to ~2 ms of link time at the peer's measured drain rate), a
+bounded number at a time, and only while no Anchor (HIGH) work for that peer is queued or
+in flight. HIGH work goes to the engine as soon as it is submitted. So a HIGH transfer
+competes with at most `low_inflight` LOW chunks.
+
+Threads: callers (`submit`, `abort`, ...) validate and queue under one lock; a single
+driver thread submits to the engine, polls it, enforces deadlines and runs the
+`on_settled` callback. The driver never spins: with transfers in flight it sleeps on a
+condition variable between polls (exponential backoff from `poll_min_s` to `poll_max_s`,
+at most `poll_high_s` while HIGH writes are in flight, reset by any progress, cut short by
+any `submit`); with none in flight it sleeps until the next deadline or the next `submit`.
+It never calls the engine's sync APIs or batch wait, which spin a core.
+
+Units of work: a *stream* is one request's bytes on one lane (the Anchor stream, the
+Residual stream). It may be fed by several `submit` calls (one per prefill chunk, say) and
+is done once the call marked `last=True` has been made and every byte submitted has landed.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from lynx.lanes.backend import BatchState, Transfer, TransferBackend
+from lynx.lanes.pacing import DrainRate
+from lynx.lanes.ranges import AddressError, AddressRanges, check_span
+from lynx.lanes.stats import LaneRecorder, SchedulerStats
+
+log = logging.getLogger(__name__)
+_SUBMIT_RAISED = object()  # the handle of a chunk whose submit_write raised
+
+
+class Lane(enum.IntEnum):
+    """HIGH carries the Anchor (and small auxiliary data); LOW carries the Residual."""
+
+    HIGH = 0
+    LOW = 1
+
+
+class StreamState(enum.Enum):
+    IDLE = "idle"  # registered, nothing submitted yet
+    OPEN = "open"  # bytes submitted, not all landed or `last` not yet seen
+    DONE = "done"  # every byte landed after the last submit
+    FAILED = "failed"  # the engine failed a write of this request, or its deadline passed
+    ABORTED = "aborted"  # abort() was called before the stream finished
+
+
+STREAM_TRANSITIONS: dict[StreamState, frozenset[StreamState]] = {
+    StreamState.IDLE: frozenset({StreamState.OPEN, StreamState.FAILED, StreamState.ABORTED}),
+    StreamState.OPEN: frozenset({StreamState.DONE, StreamState.FAILED, StreamState.ABORTED}),
+    StreamState.DONE: frozenset(),
+    StreamState.FAILED: frozenset(),
+    StreamState.ABORTED: frozenset(),
+}
+TERMINAL_STATES = frozenset(s for s, nxt in STREAM_TRANSITIONS.items() if not nxt)
+
+
+class LaneError(RuntimeError):
+    """A lanes operation that the current state of a request does not allow."""
+
+
+class StreamClosedError(LaneError):
+    """`submit` on a stream that already got `last=True` or has settled."""
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    request_id: str
+    lane: Lane
+    state: StreamState
+    bytes_submitted: int
+    bytes_done: int
+    error: str | None
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """Scheduling knobs; defaults from benchmark/lanes.py (loopback and a 1 Gbit/s link)."""
+
+    # LOW chunk size: `low_chunk_s` of link time at the peer's measured drain rate, within
+    # [low_chunk_min_bytes, low_chunk_max_bytes]; `low_chunk_bytes` until it is measured,
+    # and always if `low_chunk_s` is None.
+    low_chunk_s: float | None = 2e-3
+    low_chunk_bytes: int = 1 << 20
+    low_chunk_min_bytes: int = 64 << 10
+    low_chunk_max_bytes: int = 16 << 20
+    low_inflight: int = 2  # LOW chunks in the engine per peer: what a HIGH write competes with
+    deadline_s: float = 30.0  # default per-request deadline, from register_destination
+    poll_min_s: float = 50e-6
+    poll_max_s: float = 1e-3
+    # While HIGH writes are in the engine: their landing is what receivers wait for, and
+    # what LOW waits for to resume, so it is noticed within this, not within poll_max_s.
+    # (Mooncake runs a peer's first 4 transfers in parallel, one per TCP connection, so a
+    # HIGH write may land before LOW chunks submitted ahead of it.)
+    poll_high_s: float = 100e-6
+
+    def __post_init__(self) -> None:
+        if self.low_chunk_bytes <= 0 or self.low_inflight <= 0:
+            raise ValueError("low_chunk_bytes and low_inflight must be positive")
+        if self.low_chunk_s is not None and self.low_chunk_s <= 0:
+            raise ValueError("low_chunk_s must be positive (or None for fixed chunks)")
+        if not 0 < self.low_chunk_min_bytes <= self.low_chunk_max_bytes:
+            raise ValueError("need 0 < low_chunk_min_bytes <= low_chunk_max_bytes")
+        if self.deadline_s <= 0:
+            raise ValueError("deadline_s must be positive")
+        if not 0 < self.poll_min_s <= self.poll_max_s:
+            raise ValueError("need 0 < poll_min_s <= poll_max_s")
+        if not 0 < self.poll_high_s <= self.poll_max_s:
+            raise ValueError("need 0 < poll_high_s <= poll_max_s")
+
+
+class _Stream:
+    def __init__(self, request: _Request, lane: Lane) -> None:
+        self.request = request
+        self.lane = lane
+        self.state = StreamState.IDLE
+        self.bytes_submitted = 0
+        self.bytes_done = 0
+        self.last_seen = False
+        self.last_submit_at = 0.0
+        self.error: str | None = None
+
+    def status(self) -> StreamStatus:
+        return StreamStatus(
+            self.request.request_id,
+            self.lane,
+            self.state,
+            self.bytes_submitted,
+            self.bytes_done,
+            self.error,
+        )
+
+
+class _Request:
+    def __init__(
+        self, request_id: str, peer: _Peer, grants: AddressRanges, timeout_s: float
+    ) -> None:
+        self.request_id = request_id
+        self.peer = peer
+        self.grants = grants
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.streams: dict[Lane, _Stream] = {}
+        self.chunks_in_engine = 0  # the engine may still read this request's source bytes
+
+    def settled(self) -> bool:
+        return all(s.state in TERMINAL_STATES for s in self.streams.values())
+
+
+@dataclass
+class _Item:
+    """The transfers of one `submit` call, waiting in a peer's lane queue."""
+
+    stream: _Stream
+    transfers: deque[Transfer]
+    enqueued_at: float
+
+
+@dataclass
+class _Chunk:
+    """One batch handed to the engine; belongs to exactly one stream."""
+
+    stream: _Stream
+    transfers: list[Transfer]
+    nbytes: int
+    handle: object = None
+
+
+class _Peer:
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.queues: dict[Lane, deque[_Item]] = {lane: deque() for lane in Lane}
+        self.in_engine: dict[Lane, int] = dict.fromkeys(Lane, 0)
+        # The engine's first write to a peer opens it (a handshake) under a mutex that every
+        # submit takes, for as long as the peer does not answer: a frozen peer would stall
+        # all peers, forever. So a peer is probed first, on a helper thread, and gets writes
+        # only once it has answered.
+        self.probing = False
+        self.opened = False
+        self.drain = DrainRate()
+
+
+class LaneScheduler:
+    """Priority lanes for one process's outgoing writes. See the module docstring.
+
+    `on_settled(status)` is called once per stream when it reaches a terminal state, from
+    the driver thread, without the scheduler's lock held: keep it short (it delays the
+    lanes); it may call back into the scheduler.
+    """
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        config: LaneConfig | None = None,
+        on_settled: Callable[[StreamStatus], None] | None = None,
+    ) -> None:
+        self._backend = backend
+        self._config = config or LaneConfig()
+        self._on_settled = on_settled
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # driver: new work or events
+        self._settle = threading.Condition(self._lock)  # waiters: some stream settled
+        self._sources = AddressRanges()
+        self._requests: dict[str, _Request] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._seq = itertools.count()
+        self._events: list[StreamStatus] = []
+        self._recorders = {lane: LaneRecorder() for lane in Lane}
+        self._polls = 0
+        self._closing = False
+        self._abandon = False
+        self._driver_cpu_at_exit = 0.0
+        self._driver = threading.Thread(target=self._run, name="lynx-lanes", daemon=True)
+        self._driver.start()
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def register_source(self, addr: int, length: int) -> None:
+        """Register a local buffer with the engine; transfers may only read from these."""
+        with self._lock:
+            self._sources.add(addr, length)
+        try:
+            self._backend.register_memory(addr, length)
+        except BaseException:
+            with self._lock:
+                self._sources.remove(addr)
+            raise
+
+    def unregister_source(self, addr: int) -> None:
+        """Unregister a source buffer; refused while any write is queued or in the engine."""
+        with self._lock:
+            for peer in self._peers.values():
+                if any(peer.queues.values()) or any(peer.in_engine.values()):
+                    raise LaneError(f"source 0x{addr:x} may still be read: writes pending")
+            self._sources.remove(addr)
+        self._backend.unregister_memory(addr)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def register_destination(
+        self,
+        request_id: str,
+        peer: str,
+        ranges: Iterable[tuple[int, int]],
+        *,
+        lanes: Iterable[Lane] = (Lane.HIGH, Lane.LOW),
+        deadline_s: float | None = None,
+    ) -> None:
+        """Declare a request: its peer, the peer's (addr, length) spans granted to it, the
+        lanes it will use, and how long (from now) all of them may take before it fails."""
+        grants = AddressRanges.union(ranges)
+        if not len(grants):
+            raise AddressError(f"request {request_id!r}: no destination ranges granted")
+        timeout = self._config.deadline_s if deadline_s is None else deadline_s
+        if timeout <= 0:
+            raise ValueError(f"request {request_id!r}: deadline_s must be positive")
+        with self._lock:
+            if self._closing:
+                raise LaneError("scheduler is closed")
+            if request_id in self._requests:
+                raise LaneError(f"request {request_id!r} is already registered")
+            peer_state = self._peers.setdefault(peer, _Peer(peer))
+            request = _Request(request_id, peer_state, grants, timeout)
+            request.streams = {Lane(lane): _Stream(request, Lane(lane)) for lane in lanes}
+            if not request.streams:
+                raise ValueError(f"request {request_id!r}: no lanes")
+            self._requests[request_id] = request
+            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+            self._wake.notify()
+
+    def submit(
+        self,
+        request_id: str,
+        lane: Lane,
+        transfers: Iterable[tuple[int, int, int]],
+        *,
+        last: bool,
+    ) -> None:
+        """Queue writes `(src, dst, length)` on the request's `lane` stream.
+
+        Every transfer must read inside one registered source buffer and write inside the
+        request's granted ranges, else `AddressError` and nothing is queued. Raises
+        `StreamClosedError` once the stream got `last=True` or settled (a failure or abort
+        can settle it at any time: callers producing bytes should expect that).
+        """
+        try:
+            batch = [Transfer(*t) for t in transfers]
+        except TypeError as e:
+            raise AddressError(f"transfers must be (src, dst, length) triples: {e}") from None
+        with self._lock:
+            stream = self._stream(request_id, lane)
+            if stream.last_seen or stream.state in TERMINAL_STATES:
+                raise StreamClosedError(
+                    f"request {request_id!r} {stream.lane.name}: stream is {stream.state.value}"
+                    + (" and got last=True" if stream.last_seen else "")
+                )
+            coalesced = self._validated(stream.request, batch)
+            now = time.monotonic()
+            nbytes = sum(t.length for t in coalesced)
+            if stream.state is StreamState.IDLE:
+                self._move(stream, StreamState.OPEN)
+            stream.bytes_submitted += nbytes
+            if last:
+                stream.last_seen = True
+                stream.last_submit_at = now
+            if coalesced:
+                stream.request.peer.queues[stream.lane].append(_Item(stream, deque(coalesced), now))
+                self._wake.notify()
+            elif last and stream.bytes_done == stream.bytes_submitted:
+                self._settle_stream(stream, StreamState.DONE, None, now)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request: drop its queued writes, settle its open streams as ABORTED.
+
+        Writes already in the engine cannot be recalled and may still land; `release`
+        tells when they are over. Returns False if every stream had already settled.
+        """
+        with self._lock:
+            request = self._request(request_id)
+            if request.settled():
+                return False
+            self._end_request(request, StreamState.ABORTED, "aborted", time.monotonic())
+            return True
+
+    def status(self, request_id: str, lane: Lane) -> StreamStatus:
+        with self._lock:
+            return self._stream(request_id, lane).status()
+
+    def wait(self, request_id: str, lane: Lane, timeout: float | None = None) -> StreamStatus:
+        """Block until the stream settles; TimeoutError if it has not after `timeout` s."""
+        with self._lock:
+            stream = self._stream(request_id, lane)
+            if not self._settle.wait_for(lambda: stream.state in TERMINAL_STATES, timeout):
+                raise TimeoutError(f"request {request_id!r} {stream.lane.name} still open")
+            return stream.status()
+
+    def release(self, request_id: str) -> None:
+        """Forget a settled request. Refused while the engine may still read its source
+        bytes: staging buffers of a request may be reused once this has succeeded."""
+        with self._lock:
+            request = self._request(request_id)
+            if not request.settled():
+                raise LaneError(f"request {request_id!r} has open streams: abort it first")
+            if request.chunks_in_engine:
+                raise LaneError(
+                    f"request {request_id!r}: {request.chunks_in_engine} writes still in the "
+                    "engine (a frozen peer keeps them there)"
+                )
+            del self._requests[request_id]
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            high, low = (self._recorders[lane].snapshot() for lane in Lane)
+            polls = self._polls
+        return SchedulerStats(high=high, low=low, driver_cpu_s=self._driver_cpu(), polls=polls)
+
+    def _driver_cpu(self) -> float:
+        ident = self._driver.ident
+        if ident is not None and self._driver.is_alive():
+            try:
+                return time.clock_gettime(time.pthread_getcpuclockid(ident))
+            except OSError:
+                pass  # the driver exited since is_alive(): its final figure is recorded
+        return self._driver_cpu_at_exit
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Abort every open request and stop the driver once the engine holds none of our
+        writes. Returns False if some were still in the engine after `timeout` s (the
+        driver then stops polling them)."""
+        with self._lock:
+            self._closing = True
+            now = time.monotonic()
+            for request in self._requests.values():
+                if not request.settled():
+                    self._end_request(request, StreamState.ABORTED, "scheduler closed", now)
+            self._wake.notify()
+        self._driver.join(timeout)
+        drained = not self._driver.is_alive()
+        if not drained:
+            with self._lock:
+                self._abandon = True
+                self._wake.notify()
+            self._driver.join(timeout)
+        return drained
+
+    def __enter__(self) -> LaneScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- caller-side helpers (lock held) --------------------------------------------------
+
+    def _request(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    def _stream(self, request_id: str, lane: Lane) -> _Stream:
+        request = self._request(request_id)
+        try:
+            return request.streams[Lane(lane)]
+        except (KeyError, ValueError):
+            name = lane.name if isinstance(lane, Lane) else repr(lane)
+            raise LaneError(f"request {request_id!r} has no {name} lane") from None
+
+    def _validated(self, request: _Request, batch: Sequence[Transfer]) -> list[Transfer]:
+        """Check every transfer against sources and grants; merge contiguous neighbours."""
+        merged: list[Transfer] = []
+        for i, t in enumerate(batch):
+            what = f"request {request.request_id!r} transfer #{i}"
+            check_span(f"{what} source", t.src, t.length)
+            check_span(f"{what} destination", t.dst, t.length)
+            if not self._sources.covers(t.src, t.length):
+                raise AddressError(
+                    f"{what} reads 0x{t.src:x}+{t.length}, outside every registered source"
+                )
+            if not request.grants.covers(t.dst, t.length):
+                raise AddressError(
+                    f"{what} writes 0x{t.dst:x}+{t.length} on {request.peer.session}, "
+                    "outside the ranges granted to this request"
+                )
+            prev = merged[-1] if merged else None
+            if (
+                prev is not None
+                and prev.src + prev.length == t.src
+                and prev.dst + prev.length == t.dst
+                and self._sources.covers(prev.src, prev.length + t.length)
+            ):
+                merged[-1] = Transfer(prev.src, prev.dst, prev.length + t.length)
+            else:
+                merged.append(t)
+        return merged
+
+    def _move(self, stream: _Stream, state: StreamState) -> None:
+        if state not in STREAM_TRANSITIONS[stream.state]:
+            raise AssertionError(f"stream {stream.state.value} -> {state.value} is not allowed")
+        stream.state = state
+
+    def _settle_stream(
+        self, stream: _Stream, state: StreamState, error: str | None, now: float
+    ) -> None:
+        self._move(stream, state)
+        stream.error = error
+        recorder = self._recorders[stream.lane]
+        if state is StreamState.DONE:
+            recorder.streams_done += 1
+            recorder.completion_latencies.append(now - stream.last_submit_at)
+        elif state is StreamState.FAILED:
+            recorder.streams_failed += 1
+        else:
+            recorder.streams_aborted += 1
+        self._events.append(stream.status())
+        self._settle.notify_all()
+        self._wake.notify()
+
+    def _end_request(self, request: _Request, state: StreamState, error: str, now: float) -> None:
+        """Settle every open stream of `request` as `state`, drop its queued writes."""
+        for stream in request.streams.values():
+            if stream.state not in TERMINAL_STATES:
+                self._settle_stream(stream, state, error, now)
+        peer = request.peer
+        for lane, queue in peer.queues.items():
+            peer.queues[lane] = deque(i for i in queue if i.stream.request is not request)
+
+    # ---- driver ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._drive()
+        finally:
+            self._driver_cpu_at_exit = time.thread_time()
+
+    def _drive(self) -> None:
+        in_engine: list[_Chunk] = []
+        backoff = self._config.poll_min_s
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                self._expire(now)
+                plan, to_probe = self._plan(now)
+                events, self._events = self._events, []
+                stop = self._abandon or (self._closing and not in_engine)
+                if not (plan or to_probe or events or stop):
+                    if in_engine:
+                        high = any(chunk.stream.lane is Lane.HIGH for chunk in in_engine)
+                        self._wake.wait(min(backoff, self._config.poll_high_s) if high else backoff)
+                        backoff = min(2 * backoff, self._config.poll_max_s)
+                    else:
+                        self._wake.wait(self._until_next_deadline(now))
+            for status in events:
+                self._notify(status)
+            if stop:
+                return
+            for peer in to_probe:
+                threading.Thread(target=self._probe, args=(peer,), daemon=True).start()
+            for chunk in plan:
+                chunk.handle = self._submit(chunk)
+            in_engine.extend(plan)
+            resolved = []
+            pending = []
+            for chunk in in_engine:
+                state = self._poll(chunk)
+                (pending if state is BatchState.PENDING else resolved).append((chunk, state))
+            in_engine = [chunk for chunk, _ in pending]
+            if plan or resolved:
+                backoff = self._config.poll_min_s
+            with self._lock:
+                self._polls += len(pending) + len(resolved)
+                if resolved:
+                    self._apply(resolved, time.monotonic())
+
+    def _submit(self, chunk: _Chunk) -> object:
+        try:
+            return self._backend.submit_write(chunk.stream.request.peer.session, chunk.transfers)
+        except Exception:
+            log.exception("lanes: submit_write to %s raised", chunk.stream.request.peer.session)
+            return _SUBMIT_RAISED
+
+    def _poll(self, chunk: _Chunk) -> BatchState:
+        if chunk.handle is _SUBMIT_RAISED:
+            return BatchState.FAILED
+        return self._backend.poll(chunk.handle)
+
+    def _probe(self, peer: _Peer) -> None:
+        """Helper thread: may block as long as the peer does not answer."""
+        try:
+            reachable = self._backend.probe(peer.session)
+        except Exception:
+            log.exception("lanes: probing %s raised", peer.session)
+            reachable = False
+        with self._lock:
+            peer.probing = False
+            peer.opened = reachable
+            if not reachable:
+                now = time.monotonic()
+                for request in self._requests.values():
+                    if request.peer is peer and not request.settled():
+                        self._end_request(
+                            request, StreamState.FAILED, f"peer {peer.session} unreachable", now
+                        )
+            self._wake.notify()
+
+    def _notify(self, status: StreamStatus) -> None:
+        if self._on_settled is None:
+            return
+        try:
+            self._on_settled(status)
+        except Exception:
+            log.exception("lanes on_settled callback raised for %s", status)
+
+    def _until_next_deadline(self, now: float) -> float | None:
+        while self._deadlines and self._deadlines[0][2].settled():
+            heapq.heappop(self._deadlines)
+        return max(0.0, self._deadlines[0][0] - now) if self._deadlines else None
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if not request.settled():
+                self._end_request(
+                    request,
+                    StreamState.FAILED,
+                    f"deadline of {request.timeout_s:g} s passed",
+                    now,
+                )
+
+    def _plan(self, now: float) -> tuple[list[_Chunk], list[_Peer]]:
+        """Pick what goes to the engine now, and which new peers to probe first."""
+        plan: list[_Chunk] = []
+        to_probe: list[_Peer] = []
+        for peer in self._peers.values():
+            if peer.opened:
+                while (chunk := self._next_chunk(peer, now)) is not None:
+                    plan.append(chunk)
+            elif not peer.probing and any(peer.queues.values()):
+                peer.probing = True
+                to_probe.append(peer)
+        return plan, to_probe
+
+    def _next_chunk(self, peer: _Peer, now: float) -> _Chunk | None:
+        """The priority rule: any HIGH item, whole; else a LOW chunk, if the peer has no
+        HIGH write in the engine and a free LOW slot."""
+        high, low = peer.queues[Lane.HIGH], peer.queues[Lane.LOW]
+        if high:
+            item = high.popleft()
+            return self._chunk(item, list(item.transfers), now)
+        if not low or peer.in_engine[Lane.HIGH]:
+            return None
+        if peer.in_engine[Lane.LOW] >= self._config.low_inflight:
+            return None
+        item = low[0]
+        chunk = self._chunk(item, self._cut(item), now)
+        if not item.transfers:
+            low.popleft()
+        return chunk
+
+    def _cut(self, item: _Item) -> list[Transfer]:
+        """Take up to one LOW chunk's worth of bytes from the front of a LOW item."""
+        config = self._config
+        budget = config.low_chunk_bytes
+        if config.low_chunk_s is not None:
+            budget = item.stream.request.peer.drain.chunk_bytes(
+                config.low_chunk_s,
+                config.low_chunk_bytes,
+                config.low_chunk_min_bytes,
+                config.low_chunk_max_bytes,
+            )
+        taken: list[Transfer] = []
+        queue = item.transfers
+        while queue and budget:
+            t = queue.popleft()
+            if t.length > budget:
+                queue.appendleft(Transfer(t.src + budget, t.dst + budget, t.length - budget))
+                t = Transfer(t.src, t.dst, budget)
+            taken.append(t)
+            budget -= t.length
+        return taken
+
+    def _chunk(self, item: _Item, transfers: list[Transfer], now: float) -> _Chunk:
+        stream = item.stream
+        stream.request.peer.in_engine[stream.lane] += 1
+        stream.request.peer.drain.started(now)
+        stream.request.chunks_in_engine += 1
+        self._recorders[stream.lane].queue_delays.append(now - item.enqueued_at)
+        return _Chunk(stream, transfers, sum(t.length for t in transfers))
+
+    def _apply(self, resolved: list[tuple[_Chunk, BatchState]], now: float) -> None:
+        landed: dict[_Peer, int] = {}
+        for chunk, state in resolved:
+            stream = chunk.stream
+            request = stream.request
+            request.peer.in_engine[stream.lane] -= 1
+            request.chunks_in_engine -= 1
+            recorder = self._recorders[stream.lane]
+            landed.setdefault(request.peer, 0)
+            if state is BatchState.DONE:
+                landed[request.peer] += chunk.nbytes
+                recorder.bytes += chunk.nbytes
+                recorder.chunks += 1
+            else:
+                recorder.chunks_failed += 1
+            if stream.state is not StreamState.OPEN:
+                continue  # the request was aborted or failed while this write was in flight
+            if state is BatchState.DONE:
+                stream.bytes_done += chunk.nbytes
+                if stream.last_seen and stream.bytes_done == stream.bytes_submitted:
+                    self._settle_stream(stream, StreamState.DONE, None, now)
+            else:
+                self._end_request(
+                    request,
+                    StreamState.FAILED,
+                    f"{stream.lane.name} write to {request.peer.session} failed in the engine",
+                    now,
+                )
+        for peer, nbytes in landed.items():
+            peer.drain.landed(nbytes, now, busy=any(peer.in_engine.values()))
