@@ -203,9 +203,7 @@ class Bench:
             process_cpu=cpu / wall,
         )
 
-    def _send(
-        self, lanes: LaneScheduler, rid: str, lane: Lane, src: int, dst: int, nbytes: int
-    ) -> None:
+    def _send(self, lanes: LaneScheduler, rid: str, lane: Lane, src: int, dst: int, nbytes: int) -> None:
         other = Lane.LOW if lane is Lane.HIGH else Lane.HIGH
         lanes.register_destination(rid, self.peer.session, [(dst, nbytes)])
         lanes.submit(rid, other, [], last=True)
@@ -269,9 +267,7 @@ def plot(results: list[Outcome], title: str, path: Path) -> None:
     ax1.legend()
     with_backlog = [r for r in results if r.backlog_gbps]
     xs2 = range(len(with_backlog))
-    ax2.bar(
-        [x - 0.2 for x in xs2], [r.backlog_gbps or 0 for r in with_backlog], 0.4, label="Residual"
-    )
+    ax2.bar([x - 0.2 for x in xs2], [r.backlog_gbps or 0 for r in with_backlog], 0.4, label="Residual")
     ax2.bar(
         [x + 0.2 for x in xs2],
         [r.goodput_gbps or 0 for r in with_backlog],

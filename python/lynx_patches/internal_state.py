@@ -14,7 +14,6 @@ import dataclasses
 from typing import Any
 
 from lynx import settings
-
 from lynx_patches._hooks import hook
 
 TARGET = "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"

@@ -23,7 +23,6 @@ from typing import Any
 
 from lynx import settings
 from lynx.settings import LynxSettings, LynxSettingsError
-
 from lynx_patches._hooks import hook, is_cpu_engine
 
 logger = logging.getLogger(__name__)

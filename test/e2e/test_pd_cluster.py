@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
+
 from lynx.cluster import PDCluster, ServerConfig, SingleServer, http_json, start_together
 from lynx.demo import chat_once
 from lynx_patches.sgl_kernel import SHIM_ROOT
-from openai import OpenAI
 
 pytestmark = pytest.mark.e2e
 

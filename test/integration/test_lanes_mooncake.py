@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+
 from lynx.lanes import (
     AddressError,
     BatchState,
@@ -271,9 +272,7 @@ def test_backend_batch_is_done_only_when_every_part_landed(sender, peers):
     ]
     handle = sender.backend.submit_write(peer.session, parts)
     assert wait_resolved(sender.backend, handle) is BatchState.DONE
-    tail = Transfer(
-        parts[1].src + parts[1].length - 4096, parts[1].dst + parts[1].length - 4096, 4096
-    )
+    tail = Transfer(parts[1].src + parts[1].length - 4096, parts[1].dst + parts[1].length - 4096, 4096)
     assert_landed(sender, peer, [tail])  # at once: the last bytes of the last part are there
     assert_landed(sender, peer, parts)
 

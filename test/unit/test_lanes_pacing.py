@@ -1,4 +1,5 @@
 import pytest
+
 from lynx.lanes.pacing import DrainRate
 
 MS = 1e-3

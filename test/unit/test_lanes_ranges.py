@@ -1,4 +1,5 @@
 import pytest
+
 from lynx.lanes.ranges import AddressError, AddressRanges
 
 
@@ -42,9 +43,7 @@ def test_remove():
         r.remove(100)
 
 
-@pytest.mark.parametrize(
-    ("start", "length"), [(-1, 10), (0, 0), (0, -5), (True, 4), (1.0, 4), (2**64, 1)]
-)
+@pytest.mark.parametrize(("start", "length"), [(-1, 10), (0, 0), (0, -5), (True, 4), (1.0, 4), (2**64, 1)])
 def test_bad_spans_raise(start, length):
     with pytest.raises(AddressError):
         AddressRanges().add(start, length)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lynx.lanes import (
     STREAM_TRANSITIONS,
     AddressError,
@@ -283,9 +284,7 @@ def test_bad_transfers_are_refused_before_the_engine(fake, transfer, match):
     good = (SRC, DST, 16)
     with pytest.raises(AddressError, match=match):
         lanes.submit("r", Lane.HIGH, [good, transfer], last=True)
-    assert lanes.status("r", Lane.HIGH) == StreamStatus(
-        "r", Lane.HIGH, StreamState.IDLE, 0, 0, None
-    )
+    assert lanes.status("r", Lane.HIGH) == StreamStatus("r", Lane.HIGH, StreamState.IDLE, 0, 0, None)
     lanes.close()
     assert fake.batches == []
 
@@ -460,9 +459,7 @@ def test_chunking_moves_every_byte_exactly_once(lengths, gaps, chunk):
     assert lanes.wait("r", Lane.LOW, 5).state is StreamState.DONE
     assert lanes.close()
     expected = [(s + i, d + i) for s, d, n in transfers for i in range(n)]
-    moved = [
-        (t.src + i, t.dst + i) for b in fake.batches for t in b.transfers for i in range(t.length)
-    ]
+    moved = [(t.src + i, t.dst + i) for b in fake.batches for t in b.transfers for i in range(t.length)]
     assert moved == expected
     assert all(b.nbytes <= chunk for b in fake.batches)
     assert lanes.stats().low.bytes == sum(lengths)

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+
 from lynx import settings
 from lynx.settings import LynxSettings, LynxSettingsError
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from lynx_patches.sgl_kernel import (
     CpuKernelUnavailable,
     assign_req_to_token_pool_cpu,

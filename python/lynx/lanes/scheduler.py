@@ -143,9 +143,7 @@ class _Stream:
 
 
 class _Request:
-    def __init__(
-        self, request_id: str, peer: _Peer, grants: AddressRanges, timeout_s: float
-    ) -> None:
+    def __init__(self, request_id: str, peer: _Peer, grants: AddressRanges, timeout_s: float) -> None:
         self.request_id = request_id
         self.peer = peer
         self.grants = grants
@@ -425,9 +423,7 @@ class LaneScheduler:
             check_span(f"{what} source", t.src, t.length)
             check_span(f"{what} destination", t.dst, t.length)
             if not self._sources.covers(t.src, t.length):
-                raise AddressError(
-                    f"{what} reads 0x{t.src:x}+{t.length}, outside every registered source"
-                )
+                raise AddressError(f"{what} reads 0x{t.src:x}+{t.length}, outside every registered source")
             if not request.grants.covers(t.dst, t.length):
                 raise AddressError(
                     f"{what} writes 0x{t.dst:x}+{t.length} on {request.peer.session}, "
@@ -450,9 +446,7 @@ class LaneScheduler:
             raise AssertionError(f"stream {stream.state.value} -> {state.value} is not allowed")
         stream.state = state
 
-    def _settle_stream(
-        self, stream: _Stream, state: StreamState, error: str | None, now: float
-    ) -> None:
+    def _settle_stream(self, stream: _Stream, state: StreamState, error: str | None, now: float) -> None:
         self._move(stream, state)
         stream.error = error
         recorder = self._recorders[stream.lane]

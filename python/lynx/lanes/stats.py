@@ -23,9 +23,7 @@ class Percentiles:
             return cls(0, 0.0, 0.0, 0.0)
         ordered = sorted(samples)
         last = len(ordered) - 1
-        return cls(
-            len(ordered), ordered[round(0.5 * last)], ordered[round(0.99 * last)], ordered[-1]
-        )
+        return cls(len(ordered), ordered[round(0.5 * last)], ordered[round(0.99 * last)], ordered[-1])
 
 
 @dataclass(frozen=True)
