@@ -13,6 +13,7 @@ from lynx.codec import (
     encode,
     segment_nbytes,
 )
+from lynx.codec.reference import pack_codes, unpack_codes
 
 
 def test_config_handshake_bytes_are_pinned() -> None:
@@ -160,3 +161,14 @@ def test_per_channel_key_bytes_are_pinned() -> None:
         decode(enc.anchor, None, config=config, shape=keys.shape, dtype=keys.dtype, kind="key"),
         keys,
     )
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_code_packing_is_the_little_endian_bit_stream(bits: int) -> None:
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (64,), generator=gen, dtype=torch.uint8)
+    stream = sum(int(c) << (bits * i) for i, c in enumerate(codes))
+    expect = stream.to_bytes(64 * bits // 8, "little")
+    packed = pack_codes(codes, bits)
+    assert packed.numpy().tobytes() == expect
+    assert torch.equal(unpack_codes(packed, bits), codes)

@@ -1,0 +1,181 @@
+"""Codec throughput and size: encode / Anchor-only decode / full decode of one segment of
+an SGLang-style KV pool (SmolLM2-135M shape: 30 layers x 3 KV heads x 64, bf16), in GB/s
+of BF16 input, side by side for the CPU path eager and under torch.compile
+(LYNX_CODEC_COMPILE=1) and for the Triton kernels when CUDA is available; plus bytes per
+value of each mode. Prints a table, writes JSON and a PNG to benchmark/results/.
+
+    PYTHONPATH=python python benchmark/codec.py --tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from lynx.codec import CodecConfig, KVLayout, decode_pages, encode_pages, segment_nbytes
+from lynx.codec.reference import COMPILE_ENV
+
+MODES = {
+    "b4 keys/ch16 int8 (default)": CodecConfig(),
+    "b3 keys/ch16 int8": CodecConfig(anchor_bits=3),
+    "b2 keys/ch16 int8": CodecConfig(anchor_bits=2),
+    "b4 keys/ch16 exact": CodecConfig(residual="exact"),
+    "b4 per-token g32 int8": CodecConfig(key_layout="per_token"),
+}
+
+
+def timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def run_path(path: str, layout: KVLayout, tokens: int, repeats: int) -> list[dict]:
+    device = "cuda" if path == "triton" else "cpu"
+    os.environ[COMPILE_ENV] = "1" if path == "cpu-compiled" else "0"
+    gen = torch.Generator().manual_seed(0)
+    rows = 2 * tokens
+    pool = [
+        (torch.randn(rows, layout.num_kv_heads, layout.head_dim, generator=gen) * 2)
+        .to(layout.dtype)
+        .to(device)
+        for _ in range(2 * layout.num_layers)
+    ]
+    k, v = pool[::2], pool[1::2]
+    slots = torch.randperm(rows, generator=gen)[:tokens].to(device)
+    input_bytes = 2 * layout.num_layers * tokens * layout.channels * layout.dtype.itemsize
+    out = []
+    for name, config in MODES.items():
+        anchor_nbytes, residual_nbytes = segment_nbytes(layout, tokens, config)
+        anchor = torch.empty(anchor_nbytes, dtype=torch.uint8, device=device)
+        residual = torch.empty(residual_nbytes, dtype=torch.uint8, device=device)
+        start = time.perf_counter()
+        encode_pages(k, v, slots, config, anchor, residual)
+        decode_pages(anchor, None, k, v, slots, config)
+        decode_pages(anchor, residual, k, v, slots, config)
+        first_call = time.perf_counter() - start
+        seconds = {
+            "encode": timed(
+                lambda c=config, a=anchor, r=residual: encode_pages(k, v, slots, c, a, r), repeats
+            ),
+            "decode_anchor": timed(
+                lambda c=config, a=anchor: decode_pages(a, None, k, v, slots, c), repeats
+            ),
+            "decode_full": timed(
+                lambda c=config, a=anchor, r=residual: decode_pages(a, r, k, v, slots, c), repeats
+            ),
+        }
+        values = input_bytes / layout.dtype.itemsize
+        out.append(
+            {
+                "path": path,
+                "mode": name,
+                "first_call_s": first_call,
+                **{f"{op}_GBps": input_bytes / s / 1e9 for op, s in seconds.items()},
+                "anchor_bits_per_value": 8 * anchor_nbytes / values,
+                "residual_bits_per_value": 8 * residual_nbytes / values,
+            }
+        )
+        print(f"  {path:13s} {name:28s} done", flush=True)
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    labels = [f"{r['path']}\n{r['mode']}" for r in rows]
+    ops = ("encode", "decode_anchor", "decode_full")
+    width = 0.27
+    for i, op in enumerate(ops):
+        ax1.bar(
+            [x + (i - 1) * width for x in range(len(rows))],
+            [r[f"{op}_GBps"] for r in rows],
+            width,
+            label=op,
+        )
+    ax1.axhline(2.0, color="k", linestyle="--", linewidth=1, label="2 GB/s target")
+    ax1.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    ax1.set_ylabel("GB/s of BF16 input")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    first = {r["mode"]: r for r in rows}
+    ax2.bar(modes, [first[m]["anchor_bits_per_value"] for m in modes], label="anchor")
+    ax2.bar(
+        modes,
+        [first[m]["residual_bits_per_value"] for m in modes],
+        bottom=[first[m]["anchor_bits_per_value"] for m in modes],
+        label="residual",
+    )
+    ax2.axhline(16, color="k", linestyle="--", linewidth=1, label="BF16")
+    ax2.set_ylabel("bits per value")
+    ax2.tick_params(axis="x", rotation=30, labelsize=7)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--paths",
+        default="cpu-eager,cpu-compiled" + (",triton" if torch.cuda.is_available() else ""),
+    )
+    parser.add_argument("--out", default="benchmark/results/codec")
+    args = parser.parse_args()
+    layout = KVLayout(30, 3, 64, torch.bfloat16)
+    rows = []
+    for path in args.paths.split(","):
+        rows += run_path(path, layout, args.tokens, args.repeats)
+    print(f"\n{args.tokens}-token segment, {layout}, torch threads {torch.get_num_threads()}")
+    print(
+        "| path | mode | encode GB/s | anchor decode GB/s | full decode GB/s | "
+        "anchor bits/value | residual bits/value | first call s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['path']} | {r['mode']} | {r['encode_GBps']:.3f} | "
+            f"{r['decode_anchor_GBps']:.3f} | {r['decode_full_GBps']:.3f} | "
+            f"{r['anchor_bits_per_value']:.2f} | {r['residual_bits_per_value']:.2f} | "
+            f"{r['first_call_s']:.1f} |"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "tokens": args.tokens,
+                "layout": str(layout),
+                "threads": torch.get_num_threads(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
