@@ -44,7 +44,9 @@ def timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(samples)
 
 
-def run_path(path: str, layout: KVLayout, tokens: int, repeats: int) -> list[dict]:
+def run_path(
+    path: str, layout: KVLayout, tokens: int, repeats: int, modes: list[str]
+) -> list[dict]:
     device = "cuda" if path == "triton" else "cpu"
     os.environ[COMPILE_ENV] = "1" if path == "cpu-compiled" else "0"
     gen = torch.Generator().manual_seed(0)
@@ -59,7 +61,8 @@ def run_path(path: str, layout: KVLayout, tokens: int, repeats: int) -> list[dic
     slots = torch.randperm(rows, generator=gen)[:tokens].to(device)
     input_bytes = 2 * layout.num_layers * tokens * layout.channels * layout.dtype.itemsize
     out = []
-    for name, config in MODES.items():
+    for name in modes:
+        config = MODES[name]
         anchor_nbytes, residual_nbytes = segment_nbytes(layout, tokens, config)
         anchor = torch.empty(anchor_nbytes, dtype=torch.uint8, device=device)
         residual = torch.empty(residual_nbytes, dtype=torch.uint8, device=device)
@@ -141,12 +144,21 @@ def main() -> None:
         "--paths",
         default="cpu-eager,cpu-compiled" + (",triton" if torch.cuda.is_available() else ""),
     )
+    parser.add_argument(
+        "--compiled-modes",
+        type=int,
+        default=1,
+        help="how many modes (in table order) to run compiled: each compiles its own graphs",
+    )
     parser.add_argument("--out", default="benchmark/results/codec")
     args = parser.parse_args()
     layout = KVLayout(30, 3, 64, torch.bfloat16)
     rows = []
     for path in args.paths.split(","):
-        rows += run_path(path, layout, args.tokens, args.repeats)
+        modes = list(MODES)
+        if path == "cpu-compiled":
+            modes = modes[: args.compiled_modes]
+        rows += run_path(path, layout, args.tokens, args.repeats, modes)
     print(f"\n{args.tokens}-token segment, {layout}, torch threads {torch.get_num_threads()}")
     print(
         "| path | mode | encode GB/s | anchor decode GB/s | full decode GB/s | "

@@ -184,6 +184,7 @@ def main() -> None:
             for layer in out.past_key_values.layers
         ]
         bf16_tokens = greedy(model, make_cache(prompt_kv), first, args.gen)
+        tap.take()
         print(
             f"prompt {index} {path.name}: prefill+bf16 greedy {time.perf_counter() - start:.1f}s",
             flush=True,

@@ -55,7 +55,7 @@ def encode(x: torch.Tensor, config: CodecConfig, *, kind: Kind = "value") -> Enc
     layout = part_layout(n, channels, kind, config, x.dtype)
     anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8, device=x.device)
     residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8, device=x.device)
-    backend.encode_rows(x.reshape(n, channels), None, kind, config, anchor, residual)
+    backend.encode_rows(x.reshape(n, channels).contiguous(), None, kind, config, anchor, residual)
     return Encoded(anchor=anchor, residual=residual)
 
 
