@@ -183,11 +183,15 @@ def decode_tensors(
     """Reconstruction of one (n >= 1, C) part in out's dtype from its arrays (fine=None:
     Anchor only). Pure tensor code, so it can run under torch.compile."""
     n, channels = out.shape
-    w = unpack_codes(codes, config.anchor_bits).float()
-    if fine is not None:
+    if fine is None:
+        w = unpack_codes(codes, config.anchor_bits).float()
+    else:
+        # u + (v - centre) / 2**r, formed as the integer u * 2**r + v - centre and scaled by
+        # a power of two: the same float32 value (both are exact), one conversion fewer.
         rbits = config.residual_bits
-        offset = unpack_codes(fine, rbits).float().sub_(float(1 << (rbits - 1)))
-        w.add_(offset.mul_(1.0 / (1 << rbits)))
+        fine_code = unpack_codes(codes, config.anchor_bits).to(torch.int16) << rbits
+        fine_code += unpack_codes(fine, rbits)
+        w = fine_code.sub_(1 << (rbits - 1)).float().mul_(1.0 / (1 << rbits))
     finite_max = torch.finfo(out.dtype).max
     pieces = []
     at = 0
