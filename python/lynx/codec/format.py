@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -185,7 +185,8 @@ class CodecConfig:
             raise WireMismatchError(f"peer codec settings {peer} differ from ours {self}")
 
 
-def _decode_code(table: dict, code: int, what: str):  # type: ignore[type-arg]
+def _decode_code(table: dict[Any, int], code: int, what: str) -> Any:
+    """The key of ``table`` whose wire code is ``code``."""
     for name, value in table.items():
         if value == code:
             return name
