@@ -2,7 +2,9 @@
 an SGLang-style KV pool (SmolLM2-135M shape: 30 layers x 3 KV heads x 64, bf16), in GB/s
 of BF16 input, side by side for the CPU path eager and under torch.compile
 (LYNX_CODEC_COMPILE=1) and for the Triton kernels when CUDA is available; plus bytes per
-value of each mode. Prints a table, writes JSON and a PNG to benchmark/results/.
+value of each mode, and whether each path wrote the same bytes and KV as eager torch
+(a SHA-256 over anchor, residual and the decoded rows). Prints a table, writes JSON and a
+PNG to benchmark/results/.
 
     PYTHONPATH=python python benchmark/codec.py --tokens 2048
 """
@@ -10,10 +12,12 @@ value of each mode. Prints a table, writes JSON and a PNG to benchmark/results/.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,20 +53,21 @@ def run_path(
 ) -> list[dict]:
     device = "cuda" if path == "triton" else "cpu"
     os.environ[COMPILE_ENV] = "1" if path == "cpu-compiled" else "0"
-    gen = torch.Generator().manual_seed(0)
-    rows = 2 * tokens
-    pool = [
-        (torch.randn(rows, layout.num_kv_heads, layout.head_dim, generator=gen) * 2)
-        .to(layout.dtype)
-        .to(device)
-        for _ in range(2 * layout.num_layers)
-    ]
-    k, v = pool[::2], pool[1::2]
-    slots = torch.randperm(rows, generator=gen)[:tokens].to(device)
     input_bytes = 2 * layout.num_layers * tokens * layout.channels * layout.dtype.itemsize
     out = []
     for name in modes:
         config = MODES[name]
+        # a fresh pool per mode: decoding below overwrites the rows it was encoded from
+        gen = torch.Generator().manual_seed(0)
+        rows = 2 * tokens
+        pool = [
+            (torch.randn(rows, layout.num_kv_heads, layout.head_dim, generator=gen) * 2)
+            .to(layout.dtype)
+            .to(device)
+            for _ in range(2 * layout.num_layers)
+        ]
+        k, v = pool[::2], pool[1::2]
+        slots = torch.randperm(rows, generator=gen)[:tokens].to(device)
         anchor_nbytes, residual_nbytes = segment_nbytes(layout, tokens, config)
         anchor = torch.empty(anchor_nbytes, dtype=torch.uint8, device=device)
         residual = torch.empty(residual_nbytes, dtype=torch.uint8, device=device)
@@ -71,15 +76,16 @@ def run_path(
         decode_pages(anchor, None, k, v, slots, config)
         decode_pages(anchor, residual, k, v, slots, config)
         first_call = time.perf_counter() - start
+        digest = hashlib.sha256()
+        for t in (anchor, residual, *(buf[slots] for buf in k + v)):
+            digest.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         seconds = {
-            "encode": timed(
-                lambda c=config, a=anchor, r=residual: encode_pages(k, v, slots, c, a, r), repeats
-            ),
+            "encode": timed(partial(encode_pages, k, v, slots, config, anchor, residual), repeats),
             "decode_anchor": timed(
-                lambda c=config, a=anchor: decode_pages(a, None, k, v, slots, c), repeats
+                partial(decode_pages, anchor, None, k, v, slots, config), repeats
             ),
             "decode_full": timed(
-                lambda c=config, a=anchor, r=residual: decode_pages(a, r, k, v, slots, c), repeats
+                partial(decode_pages, anchor, residual, k, v, slots, config), repeats
             ),
         }
         values = input_bytes / layout.dtype.itemsize
