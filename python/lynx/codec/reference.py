@@ -10,27 +10,9 @@ order.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from .format import CodecConfig, CodecInputError, Kind, PartLayout, part_layout
-
-COMPILE_ENV = "LYNX_CODEC_COMPILE"
-"""Set to 1 to run the CPU path under torch.compile (fused C++ loops: several times the
-throughput of eager torch, after a one-off compile per shape family of ~10-60 s)."""
-
-_COMPILED: dict[str, Callable[..., Any]] = {}
-
-
-def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    if os.environ.get(COMPILE_ENV, "0") != "1":
-        return fn
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
-    return _COMPILED[name]
 
 
 def round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +81,7 @@ def encode_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The arrays of one (n >= 1, C) part: group minimums and scales (KV dtype), packed
     anchor codes, packed residual codes (None for ``"exact"``) and whether all input was
-    finite (a 0-d bool tensor). Pure tensor code, so it can run under torch.compile."""
+    finite (a 0-d bool tensor)."""
     dtype = part.dtype
     levels = (1 << config.anchor_bits) - 1
     rbits = config.residual_bits
@@ -159,7 +141,7 @@ def encode_part(
     residual_out.zero_()
     if n == 0:
         return
-    mins, scales, codes, fine, finite = _compiled("encode", encode_tensors)(part, kind, config)
+    mins, scales, codes, fine, finite = encode_tensors(part, kind, config)
     if not bool(finite):
         raise_non_finite(part, where, slots, head_dim)
     params(anchor_out, layout, layout.mins_offset, dtype).copy_(mins)
@@ -181,7 +163,7 @@ def decode_tensors(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Reconstruction of one (n >= 1, C) part in out's dtype from its arrays (fine=None:
-    Anchor only). Pure tensor code, so it can run under torch.compile."""
+    Anchor only)."""
     n, channels = out.shape
     if fine is None:
         w = unpack_codes(codes, config.anchor_bits).float()
@@ -230,7 +212,7 @@ def decode_part(
         fine = residual[: n * channels * config.residual_bits // 8]
     mins = params(anchor, layout, layout.mins_offset, dtype)
     scales = params(anchor, layout, layout.scales_offset, dtype)
-    out.copy_(_compiled("decode", decode_tensors)(mins, scales, codes, fine, kind, config, out))
+    out.copy_(decode_tensors(mins, scales, codes, fine, kind, config, out))
 
 
 def check_anchor_params(
