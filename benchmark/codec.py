@@ -1,0 +1,174 @@
+"""Codec throughput and size: encode / Anchor-only decode / full decode of one segment of
+an SGLang-style KV pool (SmolLM2-135M shape: 30 layers x 3 KV heads x 64, bf16, token
+slots scattered over twice as many rows), in GB/s of BF16 input, for the CPU path (torch)
+and, when CUDA is available, the Triton kernels side by side; plus bytes per value of each
+mode, and a SHA-256 over anchor, residual and decoded rows showing both paths wrote the
+same bytes. Prints a table, writes JSON and a PNG to benchmark/results/.
+
+    PYTHONPATH=python python benchmark/codec.py --tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from lynx.codec import CodecConfig, KVLayout, decode_pages, encode_pages, segment_nbytes
+
+MODES = {
+    "b4 keys/ch16 int8 (default)": CodecConfig(),
+    "b3 keys/ch16 int8": CodecConfig(anchor_bits=3),
+    "b2 keys/ch16 int8": CodecConfig(anchor_bits=2),
+    "b4 keys/ch16 exact": CodecConfig(residual="exact"),
+    "b4 per-token g32 int8": CodecConfig(key_layout="per_token"),
+}
+
+
+def timed(fn: Callable[[], None], repeats: int, device: str) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def run_mode(device: str, name: str, layout: KVLayout, tokens: int, repeats: int) -> dict:
+    config = MODES[name]
+    gen = torch.Generator().manual_seed(0)
+    rows = 2 * tokens
+    pool = [
+        (torch.randn(rows, layout.num_kv_heads, layout.head_dim, generator=gen) * 2)
+        .to(layout.dtype)
+        .to(device)
+        for _ in range(2 * layout.num_layers)
+    ]
+    k, v = pool[::2], pool[1::2]
+    slots = torch.randperm(rows, generator=gen)[:tokens].to(device)
+    anchor_nbytes, residual_nbytes = segment_nbytes(layout, tokens, config)
+    anchor = torch.empty(anchor_nbytes, dtype=torch.uint8, device=device)
+    residual = torch.empty(residual_nbytes, dtype=torch.uint8, device=device)
+    encode_pages(k, v, slots, config, anchor, residual)
+    decode_pages(anchor, residual, k, v, slots, config)  # the pool now holds the reconstruction
+    digest = hashlib.sha256()
+    for t in (anchor, residual, *(buf[slots] for buf in k + v)):
+        digest.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    seconds = {
+        "encode": timed(
+            partial(encode_pages, k, v, slots, config, anchor, residual), repeats, device
+        ),
+        "decode_anchor": timed(
+            partial(decode_pages, anchor, None, k, v, slots, config), repeats, device
+        ),
+        "decode_full": timed(
+            partial(decode_pages, anchor, residual, k, v, slots, config), repeats, device
+        ),
+    }
+    input_bytes = 2 * layout.num_layers * tokens * layout.channels * layout.dtype.itemsize
+    values = input_bytes / layout.dtype.itemsize
+    return {
+        "path": "triton" if device == "cuda" else "cpu-torch",
+        "mode": name,
+        **{f"{op}_GBps": input_bytes / s / 1e9 for op, s in seconds.items()},
+        "anchor_bits_per_value": 8 * anchor_nbytes / values,
+        "residual_bits_per_value": 8 * residual_nbytes / values,
+        "sha256": digest.hexdigest(),
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    labels = [f"{r['path']}\n{r['mode']}" for r in rows]
+    width = 0.27
+    for i, op in enumerate(("encode", "decode_anchor", "decode_full")):
+        ax1.bar(
+            [x + (i - 1) * width for x in range(len(rows))],
+            [r[f"{op}_GBps"] for r in rows],
+            width,
+            label=op,
+        )
+    ax1.axhline(2.0, color="k", linestyle="--", linewidth=1, label="2 GB/s target")
+    ax1.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    ax1.set_ylabel("GB/s of BF16 input")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    first = {r["mode"]: r for r in rows}
+    modes = list(first)
+    anchor = [first[m]["anchor_bits_per_value"] for m in modes]
+    ax2.bar(modes, anchor, label="anchor")
+    ax2.bar(
+        modes, [first[m]["residual_bits_per_value"] for m in modes], bottom=anchor, label="residual"
+    )
+    ax2.axhline(16, color="k", linestyle="--", linewidth=1, label="BF16")
+    ax2.set_ylabel("bits per value")
+    ax2.tick_params(axis="x", rotation=30, labelsize=7)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmark/results/codec")
+    args = parser.parse_args()
+    layout = KVLayout(30, 3, 64, torch.bfloat16)
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    rows = []
+    for device in devices:
+        for name in MODES:
+            rows.append(run_mode(device, name, layout, args.tokens, args.repeats))
+            print(f"  {device:5s} {name:28s} done", flush=True)
+    cpu = {r["mode"]: r["sha256"] for r in rows if r["path"] == "cpu-torch"}
+    print(f"\n{args.tokens}-token segment, {layout}, torch threads {torch.get_num_threads()}")
+    print(
+        "| path | mode | encode GB/s | anchor decode GB/s | full decode GB/s | "
+        "anchor bits/value | residual bits/value | same bytes as CPU |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        r["same_as_cpu"] = cpu[r["mode"]] == r["sha256"]
+        print(
+            f"| {r['path']} | {r['mode']} | {r['encode_GBps']:.3f} | "
+            f"{r['decode_anchor_GBps']:.3f} | {r['decode_full_GBps']:.3f} | "
+            f"{r['anchor_bits_per_value']:.2f} | {r['residual_bits_per_value']:.2f} | "
+            f"{r['same_as_cpu']} |"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "tokens": args.tokens,
+                "layout": str(layout),
+                "threads": torch.get_num_threads(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

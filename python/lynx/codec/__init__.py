@@ -1,0 +1,36 @@
+"""Progressive KV codec: an Anchor (upper ``anchor_bits`` of an INT8-resolution code plus
+group minimum and scale) and a Residual (the remaining bits, or the exact original words).
+
+Public API: ``CodecConfig``, ``encode``/``decode`` (tensors), ``KVLayout``,
+``segment_nbytes``, ``encode_pages``/``decode_pages`` (SGLang-style KV pool), the wire
+format (``WIRE_VERSION``, ``CodecConfig.to_wire``/``from_wire``, ``KVLayout.to_wire``)
+and the errors. The byte layout is documented in ``lynx.codec.format``.
+"""
+
+from .api import Encoded, decode, encode
+from .format import (
+    WIRE_VERSION,
+    CodecConfig,
+    CodecError,
+    CodecInputError,
+    KVLayout,
+    WireMismatchError,
+    segment_nbytes,
+)
+from .pages import decode_pages, encode_pages, kv_layout_of
+
+__all__ = [
+    "WIRE_VERSION",
+    "CodecConfig",
+    "CodecError",
+    "CodecInputError",
+    "Encoded",
+    "KVLayout",
+    "WireMismatchError",
+    "decode",
+    "decode_pages",
+    "encode",
+    "encode_pages",
+    "kv_layout_of",
+    "segment_nbytes",
+]
