@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
 from lynx.codec import CodecConfig, KVLayout, decode_pages, encode_pages, segment_nbytes
 
 MODES = {
@@ -67,15 +68,9 @@ def run_mode(device: str, name: str, layout: KVLayout, tokens: int, repeats: int
     for t in (anchor, residual, *(buf[slots] for buf in k + v)):
         digest.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     seconds = {
-        "encode": timed(
-            partial(encode_pages, k, v, slots, config, anchor, residual), repeats, device
-        ),
-        "decode_anchor": timed(
-            partial(decode_pages, anchor, None, k, v, slots, config), repeats, device
-        ),
-        "decode_full": timed(
-            partial(decode_pages, anchor, residual, k, v, slots, config), repeats, device
-        ),
+        "encode": timed(partial(encode_pages, k, v, slots, config, anchor, residual), repeats, device),
+        "decode_anchor": timed(partial(decode_pages, anchor, None, k, v, slots, config), repeats, device),
+        "decode_full": timed(partial(decode_pages, anchor, residual, k, v, slots, config), repeats, device),
     }
     input_bytes = 2 * layout.num_layers * tokens * layout.channels * layout.dtype.itemsize
     values = input_bytes / layout.dtype.itemsize
@@ -114,9 +109,7 @@ def plot(rows: list[dict], path: Path) -> None:
     modes = list(first)
     anchor = [first[m]["anchor_bits_per_value"] for m in modes]
     ax2.bar(modes, anchor, label="anchor")
-    ax2.bar(
-        modes, [first[m]["residual_bits_per_value"] for m in modes], bottom=anchor, label="residual"
-    )
+    ax2.bar(modes, [first[m]["residual_bits_per_value"] for m in modes], bottom=anchor, label="residual")
     ax2.axhline(16, color="k", linestyle="--", linewidth=1, label="BF16")
     ax2.set_ylabel("bits per value")
     ax2.tick_params(axis="x", rotation=30, labelsize=7)

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lynx.codec import CodecConfig, KVLayout, decode, encode, segment_nbytes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache
+
+from lynx.codec import CodecConfig, KVLayout, decode, encode, segment_nbytes
 
 MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
 DOCS = "doc/usr/share/doc/python3.11/html/_sources"
@@ -68,9 +69,7 @@ def variants(bits: list[int]) -> list[Variant]:
     for b in bits:
         for g in (16, 32, 64):
             out.append(Variant(f"tok-g{g}", CodecConfig(b, g, key_layout="per_token")))
-        out.append(
-            Variant("tok-g32+hadK", CodecConfig(b, 32, key_layout="per_token"), hadamard_keys=True)
-        )
+        out.append(Variant("tok-g32+hadK", CodecConfig(b, 32, key_layout="per_token"), hadamard_keys=True))
         for block in (16, 32):
             out.append(Variant(f"chan-b{block}", CodecConfig(b, 32, key_block=block)))
     out.append(Variant("chan-b16 fp32 params", CodecConfig(4, 32, key_block=16), params_fp32=True))

@@ -3,6 +3,7 @@ the exact bytes of tiny encoded inputs."""
 
 import pytest
 import torch
+
 from lynx.codec import (
     WIRE_VERSION,
     CodecConfig,
@@ -138,9 +139,7 @@ def test_value_bytes_are_pinned() -> None:
     )
     # centred residual codes are all 0, stored +8
     assert _hex(enc.residual) == "88" * 8 + "00" * 8
-    assert torch.equal(
-        decode(enc.anchor, enc.residual, config=config, shape=x.shape, dtype=x.dtype), x
-    )
+    assert torch.equal(decode(enc.anchor, enc.residual, config=config, shape=x.shape, dtype=x.dtype), x)
 
 
 def test_per_channel_key_bytes_are_pinned() -> None:

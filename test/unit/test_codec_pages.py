@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from lynx.codec import (
     CodecConfig,
     CodecInputError,
@@ -27,9 +28,7 @@ def _pool(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
 
 def _staging(n: int, config: CodecConfig, dtype=torch.bfloat16, offset: int = 32):
     """Views into one larger registered-style region, like the PD layer will hand us."""
-    anchor_nbytes, residual_nbytes = segment_nbytes(
-        KVLayout(LAYERS, HEADS, HEAD_DIM, dtype), n, config
-    )
+    anchor_nbytes, residual_nbytes = segment_nbytes(KVLayout(LAYERS, HEADS, HEAD_DIM, dtype), n, config)
     region = torch.full((offset + anchor_nbytes + residual_nbytes + 16,), 0xAB, dtype=torch.uint8)
     anchor = region[offset : offset + anchor_nbytes]
     residual = region[offset + anchor_nbytes : offset + anchor_nbytes + residual_nbytes]
@@ -70,9 +69,7 @@ def test_segment_round_trip_into_other_slots(config: CodecConfig, dtype: torch.d
             # each part of the segment is the tensor API's bytes for the gathered rows
             assert torch.equal(anchor[at : at + enc.anchor.numel()], enc.anchor)
             at += enc.anchor.numel()
-            expect = decode(
-                enc.anchor, None, config=config, shape=part.shape, dtype=dtype, kind=kind
-            )
+            expect = decode(enc.anchor, None, config=config, shape=part.shape, dtype=dtype, kind=kind)
             assert torch.equal(out[layer][dst], expect)
     assert at == anchor.numel()
     others = torch.ones(ROWS, dtype=torch.bool)
@@ -86,9 +83,7 @@ def test_segment_round_trip_into_other_slots(config: CodecConfig, dtype: torch.d
         for kind, pool, out in (("key", k, dk), ("value", v, dv)):
             part = pool[layer][src]
             enc = encode(part, config, kind=kind)
-            full = decode(
-                enc.anchor, enc.residual, config=config, shape=part.shape, dtype=dtype, kind=kind
-            )
+            full = decode(enc.anchor, enc.residual, config=config, shape=part.shape, dtype=dtype, kind=kind)
             assert torch.equal(out[layer][dst], full)
             if config.residual == "exact":
                 assert torch.equal(out[layer][dst], part)

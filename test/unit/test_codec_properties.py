@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lynx.codec import CodecConfig, decode, encode
 from lynx.codec.format import part_layout
 
@@ -52,9 +53,7 @@ def cases(draw: st.DrawFn) -> Case:
     )
     dtype = draw(st.sampled_from(DTYPES))
     pattern = draw(
-        st.sampled_from(
-            ["normal", "constant", "zeros", "tiny", "huge", "outliers", "mixed_sign_zero"]
-        )
+        st.sampled_from(["normal", "constant", "zeros", "tiny", "huge", "outliers", "mixed_sign_zero"])
     )
     x = _values(pattern, (tokens, heads, head_dim), dtype, draw(st.integers(0, 2**31)))
     return Case(x=x, config=config, kind=draw(st.sampled_from(["key", "value"])))
@@ -94,9 +93,7 @@ def _bound(case: Case, steps: float) -> torch.Tensor:
     finfo = torch.finfo(case.x.dtype)
     step = _group_ranges(case) / ((1 << case.config.anchor_bits) - 1)
     # the stored scale is rounded up to the KV dtype (and to its smallest subnormal)
-    step = torch.maximum(
-        step * (1 + 2 * finfo.eps), torch.tensor(finfo.smallest_normal * finfo.eps)
-    )
+    step = torch.maximum(step * (1 + 2 * finfo.eps), torch.tensor(finfo.smallest_normal * finfo.eps))
     rounding = (case.x.double().abs() + step) * finfo.eps * 2 + finfo.smallest_normal * finfo.eps
     return steps * step + rounding
 

@@ -83,9 +83,7 @@ def test_kernel_marks_non_finite_groups() -> None:
         layout = part_layout(20, 64, kind, config, torch.bfloat16)
         anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8, device=DEVICE)
         residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8, device=DEVICE)
-        triton_kernels.encode_rows(
-            pool.to(DEVICE), slots.to(DEVICE), kind, config, layout, anchor, residual
-        )
+        triton_kernels.encode_rows(pool.to(DEVICE), slots.to(DEVICE), kind, config, layout, anchor, residual)
         mins = anchor[: layout.param_nbytes].view(torch.bfloat16).cpu()
         assert int((~torch.isfinite(mins)).sum()) == 2
     with pytest.raises(ValueError, match="token 6"):

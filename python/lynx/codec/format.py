@@ -124,19 +124,13 @@ class CodecConfig:
         if self.anchor_bits not in (2, 3, 4):
             raise CodecInputError(f"anchor_bits must be 2, 3 or 4, got {self.anchor_bits!r}")
         if not (_is_power_of_two(self.group_size) and 8 <= self.group_size <= 256):
-            raise CodecInputError(
-                f"group_size must be a power of two in 8..256, got {self.group_size!r}"
-            )
+            raise CodecInputError(f"group_size must be a power of two in 8..256, got {self.group_size!r}")
         if self.residual not in _RESIDUAL_CODES:
             raise CodecInputError(f"residual must be 'int8' or 'exact', got {self.residual!r}")
         if self.key_layout not in _KEY_LAYOUT_CODES:
-            raise CodecInputError(
-                f"key_layout must be 'per_channel' or 'per_token', got {self.key_layout!r}"
-            )
+            raise CodecInputError(f"key_layout must be 'per_channel' or 'per_token', got {self.key_layout!r}")
         if not (_is_power_of_two(self.key_block) and 2 <= self.key_block <= 256):
-            raise CodecInputError(
-                f"key_block must be a power of two in 2..256, got {self.key_block!r}"
-            )
+            raise CodecInputError(f"key_block must be a power of two in 2..256, got {self.key_block!r}")
 
     @property
     def residual_bits(self) -> int:
@@ -164,9 +158,7 @@ class CodecConfig:
         if magic != _CONFIG_MAGIC:
             raise WireMismatchError(f"not Lynx codec settings (magic {magic!r})")
         if version != WIRE_VERSION:
-            raise WireMismatchError(
-                f"peer speaks codec wire version {version}, this side {WIRE_VERSION}"
-            )
+            raise WireMismatchError(f"peer speaks codec wire version {version}, this side {WIRE_VERSION}")
         try:
             return cls(
                 anchor_bits=bits,
@@ -236,9 +228,7 @@ class KVLayout:
         if magic != _LAYOUT_MAGIC:
             raise WireMismatchError(f"not a Lynx KV layout (magic {magic!r})")
         if version != WIRE_VERSION:
-            raise WireMismatchError(
-                f"peer speaks codec wire version {version}, this side {WIRE_VERSION}"
-            )
+            raise WireMismatchError(f"peer speaks codec wire version {version}, this side {WIRE_VERSION}")
         return cls(layers, heads, head_dim, _decode_code(_DTYPE_CODES, dtype, "dtype"))
 
     def check_peer(self, peer_wire: bytes) -> None:
@@ -317,9 +307,7 @@ def part_layout(
 def check_layout(layout: KVLayout, config: CodecConfig) -> None:
     """Groups must not straddle heads."""
     if layout.head_dim % config.group_size:
-        raise CodecInputError(
-            f"group_size {config.group_size} does not divide head_dim {layout.head_dim}"
-        )
+        raise CodecInputError(f"group_size {config.group_size} does not divide head_dim {layout.head_dim}")
 
 
 def segment_nbytes(layout: KVLayout, n_tokens: int, config: CodecConfig) -> tuple[int, int]:

@@ -31,8 +31,7 @@ def kv_layout_of(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Te
     """The KVLayout of a pool, after checking every layer buffer agrees with it."""
     if len(k_buffers) != len(v_buffers) or not k_buffers:
         raise CodecInputError(
-            f"need as many V as K layer buffers, at least one: {len(k_buffers)} K, "
-            f"{len(v_buffers)} V"
+            f"need as many V as K layer buffers, at least one: {len(k_buffers)} K, {len(v_buffers)} V"
         )
     first = k_buffers[0]
     if first.dim() != 3:
@@ -58,20 +57,14 @@ def kv_layout_of(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Te
 
 def _check_slots(slots: torch.Tensor, rows: int, device: torch.device) -> None:
     if slots.dtype != torch.int64 or slots.dim() != 1:
-        raise CodecInputError(
-            f"slots must be a 1-D int64 tensor, got {slots.dtype} {slots.dim()}-D"
-        )
+        raise CodecInputError(f"slots must be a 1-D int64 tensor, got {slots.dtype} {slots.dim()}-D")
     if slots.device != device:
         raise CodecInputError(f"slots are on {slots.device}, the KV pool on {device}")
     if slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < rows):
-        raise CodecInputError(
-            f"slots must lie in 0..{rows - 1}, got {int(slots.min())}..{int(slots.max())}"
-        )
+        raise CodecInputError(f"slots must lie in 0..{rows - 1}, got {int(slots.min())}..{int(slots.max())}")
 
 
-def _parts(
-    layout: KVLayout, n: int, config: CodecConfig
-) -> Iterator[tuple[int, Kind, slice, slice]]:
+def _parts(layout: KVLayout, n: int, config: CodecConfig) -> Iterator[tuple[int, Kind, slice, slice]]:
     """(layer, kind, anchor byte range, residual byte range) of each part, in wire order."""
     anchor_at = residual_at = 0
     sizes = {kind: part_layout(n, layout.channels, kind, config, layout.dtype) for kind in _KINDS}
@@ -104,15 +97,12 @@ def _prepare(
         if buf is None:
             continue
         if buf.device != k_buffers[0].device:
-            raise CodecInputError(
-                f"{what} buffer is on {buf.device}, the KV pool on {k_buffers[0].device}"
-            )
+            raise CodecInputError(f"{what} buffer is on {buf.device}, the KV pool on {k_buffers[0].device}")
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
             raise CodecInputError(f"{what} buffer must be a contiguous 1-D uint8 tensor")
         if buf.numel() != nbytes:
             raise CodecInputError(
-                f"{what} buffer has {buf.numel()} bytes, a segment of {slots.numel()} tokens "
-                f"needs {nbytes}"
+                f"{what} buffer has {buf.numel()} bytes, a segment of {slots.numel()} tokens needs {nbytes}"
             )
     return layout
 

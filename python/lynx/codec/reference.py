@@ -204,9 +204,7 @@ def decode_part(
     if residual is not None and config.residual == "exact":
         out.copy_(residual[: n * channels * dtype.itemsize].view(dtype).view(n, channels))
         return
-    codes = anchor[
-        layout.codes_offset : layout.codes_offset + n * channels * config.anchor_bits // 8
-    ]
+    codes = anchor[layout.codes_offset : layout.codes_offset + n * channels * config.anchor_bits // 8]
     fine = None
     if residual is not None:
         fine = residual[: n * channels * config.residual_bits // 8]
@@ -215,9 +213,7 @@ def decode_part(
     out.copy_(decode_tensors(mins, scales, codes, fine, kind, config, out))
 
 
-def check_anchor_params(
-    anchor: torch.Tensor, layout: PartLayout, dtype: torch.dtype, where: str
-) -> None:
+def check_anchor_params(anchor: torch.Tensor, layout: PartLayout, dtype: torch.dtype, where: str) -> None:
     """Refuse an anchor whose group minimums are not finite or scales not finite and >= 0."""
     mins = params(anchor, layout, layout.mins_offset, dtype)
     scales = params(anchor, layout, layout.scales_offset, dtype)

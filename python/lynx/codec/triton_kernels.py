@@ -146,9 +146,7 @@ def _encode_token_groups(
         keep_dims=True,
     )
     lo = _non_finite_to_nan(lo, x, group_mask, 3, 2)
-    u, v = _quantize(
-        x, lo, hi, group_mask, mins_ptr, scales_ptr, t * (C // G) + g, BITS, PARAM, 8 - BITS
-    )
+    u, v = _quantize(x, lo, hi, group_mask, mins_ptr, scales_ptr, t * (C // G) + g, BITS, PARAM, 8 - BITS)
     word_index = t * (C // 8) + g * (G // 8) + w
     _store_packed(codes_ptr, word_index, u, j, group_mask, BITS)
     if EXACT:
@@ -187,9 +185,7 @@ def _encode_key_blocks(
     lo = tl.min(tl.where(mask, x, float("inf")), axis=0, keep_dims=True)
     hi = tl.max(tl.where(mask, x, -float("inf")), axis=0, keep_dims=True)
     lo = _non_finite_to_nan(lo, x, mask, 0, -1)
-    u, v = _quantize(
-        x, lo, hi, w < C // 8, mins_ptr, scales_ptr, block * C + channel, BITS, PARAM, 8 - BITS
-    )
+    u, v = _quantize(x, lo, hi, w < C // 8, mins_ptr, scales_ptr, block * C + channel, BITS, PARAM, 8 - BITS)
     word_index = t * (C // 8) + w
     _store_packed(codes_ptr, word_index, u, j, mask, BITS)
     if EXACT:
