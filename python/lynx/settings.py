@@ -17,12 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lynx.codec import CodecConfig, CodecInputError
+from lynx.codec.format import KeyLayout
+from lynx.codec.format import Residual as ResidualMode
+
 SETTINGS_ENV = "LYNX_SETTINGS"
 
 LynxMode = Literal["full", "anchor-only", "speculative"]
-ResidualMode = Literal["int8", "exact"]
 MODES: tuple[LynxMode, ...] = ("full", "anchor-only", "speculative")
-RESIDUAL_MODES: tuple[ResidualMode, ...] = ("int8", "exact")
 PD_MODES = ("prefill", "decode")
 # "mooncake_tcp" is upstream's spelling for Mooncake with the TCP transport forced.
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
@@ -32,19 +34,26 @@ class LynxSettingsError(ValueError):
     """A Lynx setting, or its combination with the server's own settings, is invalid."""
 
 
+CODEC_FIELDS = ("anchor_bits", "group_size", "residual", "key_layout", "key_block")
+_CODEC_DEFAULTS = CodecConfig()
+
+
 @dataclass(frozen=True)
 class LynxSettings:
     """What ``--lynx`` and the ``--lynx-*`` flags ask for.
 
     ``mode`` decides when decoding starts: ``full`` waits for Anchor and Residual,
     ``anchor-only`` decodes on the Anchor and never sends the Residual, ``speculative``
-    decodes on the Anchor and verifies when the Residual lands.
+    decodes on the Anchor and verifies when the Residual lands.  The codec fields are
+    :class:`lynx.codec.CodecConfig`'s, validated there.
     """
 
     mode: LynxMode = "full"
-    anchor_bits: int = 4
-    group_size: int = 32
-    residual: ResidualMode = "int8"
+    anchor_bits: int = _CODEC_DEFAULTS.anchor_bits
+    group_size: int = _CODEC_DEFAULTS.group_size
+    residual: ResidualMode = _CODEC_DEFAULTS.residual
+    key_layout: KeyLayout = _CODEC_DEFAULTS.key_layout
+    key_block: int = _CODEC_DEFAULTS.key_block
     max_speculative_tokens: int = 32
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
@@ -52,16 +61,11 @@ class LynxSettings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise LynxSettingsError(f"--lynx-mode must be one of {MODES}, got {self.mode!r}")
-        if not 2 <= self.anchor_bits <= 4:
-            raise LynxSettingsError(
-                f"--lynx-anchor-bits must be 2, 3 or 4 (upper bits of an INT8 code), got {self.anchor_bits}"
-            )
-        if self.group_size <= 0 or self.group_size & (self.group_size - 1):
-            raise LynxSettingsError(
-                f"--lynx-group-size must be a positive power of two, got {self.group_size}"
-            )
-        if self.residual not in RESIDUAL_MODES:
-            raise LynxSettingsError(f"--lynx-residual must be one of {RESIDUAL_MODES}, got {self.residual!r}")
+        try:
+            self.codec_config()
+        except CodecInputError as exc:
+            field, _, rest = str(exc).partition(" ")
+            raise LynxSettingsError(f"{flag_of(field) if field in CODEC_FIELDS else field} {rest}") from None
         if self.max_speculative_tokens < 1:
             raise LynxSettingsError(
                 f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"
@@ -73,14 +77,12 @@ class LynxSettings:
                 f"--lynx-transfer-deadline must be > 0 seconds, got {self.transfer_deadline_s}"
             )
 
+    def codec_config(self) -> CodecConfig:
+        return CodecConfig(**{field: getattr(self, field) for field in CODEC_FIELDS})
+
     def wire_fields(self) -> dict[str, Any]:
         """The settings both sides of a transfer must agree on to decode each other's bytes."""
-        return {
-            "mode": self.mode,
-            "anchor_bits": self.anchor_bits,
-            "group_size": self.group_size,
-            "residual": self.residual,
-        }
+        return {"mode": self.mode, **{field: getattr(self, field) for field in CODEC_FIELDS}}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -98,6 +100,11 @@ class LynxSettings:
         if unknown:
             raise LynxSettingsError(f"${SETTINGS_ENV} has unknown settings {unknown}")
         return cls(**raw)
+
+
+def flag_of(field: str) -> str:
+    """The launcher flag of a :class:`LynxSettings` field (``key_block`` -> ``--lynx-key-block``)."""
+    return "--lynx-" + field.removesuffix("_s").replace("_", "-")
 
 
 _SIZE_UNITS = {

@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from lynx import settings
@@ -31,56 +32,19 @@ ADD_CLI_ARGS = "server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "server_args.ServerArgs.from_cli_args"
 
 _DEFAULTS = LynxSettings()
-# (flag, LynxSettings field, type, help). Defaults are None on the parser so that a
-# --lynx-* flag given without --lynx can be told apart from an untouched default.
-_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
-    (
-        "--lynx-mode",
-        "mode",
-        str,
-        f"When decode starts: full (after Anchor+Residual), anchor-only, speculative. "
-        f"Default {_DEFAULTS.mode}.",
-    ),
-    (
-        "--lynx-anchor-bits",
-        "anchor_bits",
-        int,
-        f"Upper bits of each INT8 code sent in the Anchor (2..4). Default {_DEFAULTS.anchor_bits}.",
-    ),
-    (
-        "--lynx-group-size",
-        "group_size",
-        int,
-        f"Values per quantization group (a power of two dividing head_dim). Default {_DEFAULTS.group_size}.",
-    ),
-    (
-        "--lynx-residual",
-        "residual",
-        str,
-        f"Residual precision: int8 (Anchor+Residual = INT8) or exact (bit-exact BF16/FP16). "
-        f"Default {_DEFAULTS.residual}.",
-    ),
-    (
-        "--lynx-max-speculative-tokens",
-        "max_speculative_tokens",
-        int,
-        f"Most tokens a request may hold back before its Residual lands. "
-        f"Default {_DEFAULTS.max_speculative_tokens}.",
-    ),
-    (
-        "--lynx-lane-chunk-bytes",
-        "lane_chunk_bytes",
-        settings.parse_size,
-        f"Residual chunk size on the low-priority lane (e.g. 1MiB). Default {_DEFAULTS.lane_chunk_bytes}.",
-    ),
-    (
-        "--lynx-transfer-deadline",
-        "transfer_deadline_s",
-        float,
-        f"Seconds a request's KV transfer may take before it fails. "
-        f"Default {_DEFAULTS.transfer_deadline_s:g}.",
-    ),
-)
+# LynxSettings field -> (type, help). Parser defaults are None so that a --lynx-* flag
+# given without --lynx can be told apart from an untouched default.
+_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "mode": (str, "When decode starts: full (after Anchor+Residual), anchor-only, speculative."),
+    "anchor_bits": (int, "Upper bits of each INT8 code sent in the Anchor (2..4)."),
+    "group_size": (int, "Values per quantization group of one token (power of two dividing head_dim)."),
+    "residual": (str, "Residual: int8 (Anchor+Residual = INT8) or exact (bit-exact BF16/FP16)."),
+    "key_layout": (str, "Key groups: per_channel (over key-block tokens) or per_token."),
+    "key_block": (int, "Tokens per per-channel key group."),
+    "max_speculative_tokens": (int, "Most tokens a request may hold back before its Residual lands."),
+    "lane_chunk_bytes": (settings.parse_size, "Residual chunk size on the low-priority lane (e.g. 1MiB)."),
+    "transfer_deadline_s": (float, "Seconds a request's KV transfer may take before it fails."),
+}
 
 
 def _add_lynx_args(_result: Any, parser: argparse.ArgumentParser) -> None:
@@ -91,27 +55,32 @@ def _add_lynx_args(_result: Any, parser: argparse.ArgumentParser) -> None:
         help="Send KV as an Anchor (high priority) and a Residual (low priority). "
         "Needs --disaggregation-mode prefill|decode and a Mooncake transfer backend.",
     )
-    for flag, _field, kind, text in _OPTIONS:
-        group.add_argument(flag, type=kind, default=None, help=text)
+    for field, (kind, text) in _OPTIONS.items():
+        group.add_argument(
+            settings.flag_of(field),
+            dest=_dest(field),
+            type=kind,
+            default=None,
+            help=f"{text} Default {getattr(_DEFAULTS, field)}.",
+        )
 
 
 def settings_from_namespace(args: argparse.Namespace) -> LynxSettings | None:
     """The Lynx settings the command line asks for; None without ``--lynx``."""
     given = {
-        field: getattr(args, field_dest(flag))
-        for flag, field, _kind, _text in _OPTIONS
-        if getattr(args, field_dest(flag), None) is not None
+        field: getattr(args, _dest(field))
+        for field in _OPTIONS
+        if getattr(args, _dest(field), None) is not None
     }
     if not getattr(args, "lynx", False):
         if given:
-            flags = ", ".join(flag for flag, field, _k, _t in _OPTIONS if field in given)
-            raise LynxSettingsError(f"{flags} given without --lynx")
+            raise LynxSettingsError(f"{', '.join(map(settings.flag_of, given))} given without --lynx")
         return None
     return LynxSettings(**given)
 
 
-def field_dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+def _dest(field: str) -> str:
+    return "lynx_" + field
 
 
 def _is_loopback(host: str) -> bool:

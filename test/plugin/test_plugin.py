@@ -24,6 +24,8 @@ LYNX_FLAGS = [
     "--lynx-anchor-bits",
     "--lynx-group-size",
     "--lynx-residual",
+    "--lynx-key-layout",
+    "--lynx-key-block",
     "--lynx-max-speculative-tokens",
     "--lynx-lane-chunk-bytes",
     "--lynx-transfer-deadline",

@@ -17,9 +17,11 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
         ({"anchor_bits": 1}, "2, 3 or 4"),
         ({"anchor_bits": 5}, "2, 3 or 4"),
         ({"mode": "eager"}, "--lynx-mode"),
-        ({"group_size": 24}, "power of two"),
-        ({"group_size": 0}, "power of two"),
+        ({"group_size": 24}, "--lynx-group-size must be a power of two"),
+        ({"group_size": 0}, "--lynx-group-size must be a power of two"),
         ({"residual": "int4"}, "--lynx-residual"),
+        ({"key_layout": "diagonal"}, "--lynx-key-layout"),
+        ({"key_block": 3}, "--lynx-key-block"),
         ({"max_speculative_tokens": 0}, "--lynx-max-speculative-tokens"),
         ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes"),
         ({"transfer_deadline_s": 0.0}, "--lynx-transfer-deadline"),
@@ -46,6 +48,16 @@ def test_publish_and_current_use_the_environment() -> None:
     assert settings.current(env) == LynxSettings(anchor_bits=2)
     settings.publish(None, env)
     assert settings.SETTINGS_ENV not in env
+
+
+def test_codec_config_carries_the_codec_fields() -> None:
+    config = LynxSettings(anchor_bits=2, key_layout="per_token", key_block=32).codec_config()
+    assert (config.anchor_bits, config.key_layout, config.key_block) == (2, "per_token", 32)
+
+
+def test_flag_names() -> None:
+    assert settings.flag_of("key_block") == "--lynx-key-block"
+    assert settings.flag_of("transfer_deadline_s") == "--lynx-transfer-deadline"
 
 
 def test_wire_fields_cover_what_shapes_the_bytes() -> None:
