@@ -188,3 +188,13 @@ def test_exact_mode_is_bit_exact_over_arbitrary_bit_patterns(dtype: torch.dtype,
         assert torch.equal(y.view(torch.int16), x.view(torch.int16))
         anchor_only = decode(enc.anchor, None, config=config, shape=x.shape, dtype=dtype, kind=kind)
         assert torch.isfinite(anchor_only).all()
+
+
+def test_signed_zero_extremes_encode_the_same_whatever_their_order() -> None:
+    # Which zero a min/max reduction returns depends on its order; the wire stores +0.0.
+    config = CodecConfig()
+    a = torch.tensor([0.0, -0.0] * 16 + [1.0] * 32, dtype=torch.bfloat16)
+    b = torch.tensor([-0.0, 0.0] * 16 + [1.0] * 32, dtype=torch.bfloat16)
+    assert torch.equal(encode(a, config).anchor, encode(b, config).anchor)
+    mins = encode(a, config).anchor[:4].view(torch.bfloat16)
+    assert not torch.signbit(mins).any()

@@ -9,7 +9,8 @@ Quantization (per group of values; all arithmetic in float32, in this order)
 ---------------------------------------------------------------------------
 ``b = anchor_bits`` (2..4), ``L = 2**b - 1`` anchor levels, ``r = 8 - b`` residual bits.
 
-* ``lo``/``hi``: minimum and maximum of the group.
+* ``lo``/``hi``: minimum and maximum of the group, plus ``0.0`` (a ``-0.0`` extreme becomes
+  ``+0.0``: which zero a min/max returns would otherwise depend on the reduction order).
 * ``scale = round_up_p(((hi * 0.5 - lo * 0.5) / L) * 2)``: the anchor step, rounded *up*
   to the parameter dtype ``p`` (the KV dtype: bf16, fp16 or fp32) so the codes fill
   ``0..L`` without clipping and the stored value is the one the encoder used. Halving

@@ -88,8 +88,9 @@ def encode_tensors(
     centre = 1 << (rbits - 1)
     mins, scales, codes, fines, finite = [], [], [], [], []
     for view in group_views(part.to(torch.float32, copy=True), kind, config):
-        lo = view.amin(1, keepdim=True)
-        hi = view.amax(1, keepdim=True)
+        # + 0.0 turns a -0.0 extreme into +0.0: which zero min/max return is order-dependent
+        lo = view.amin(1, keepdim=True).add_(0.0)
+        hi = view.amax(1, keepdim=True).add_(0.0)
         finite.append(torch.isfinite(lo).all() & torch.isfinite(hi).all())
         scale = round_up_to(((hi * 0.5 - lo * 0.5) / levels) * 2.0, dtype)
         t = _to_anchor_position_(view, lo, scale)

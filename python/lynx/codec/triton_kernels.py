@@ -53,6 +53,8 @@ def _quantize(
 ):
     """Store the group minimum and rounded-up scale; return (anchor codes, residual codes)."""
     levels: tl.constexpr = (1 << BITS) - 1
+    lo = lo + 0.0  # -0.0 -> +0.0, as the reference (format.py)
+    hi = hi + 0.0
     raw = tl.math.div_rn(hi * 0.5 - lo * 0.5, levels * 1.0) * 2.0
     if PARAM == 0:
         bits = (raw.to(tl.int32, bitcast=True) + 0xFFFF) >> 16
