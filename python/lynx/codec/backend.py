@@ -1,18 +1,40 @@
-"""Device dispatch of the part codec: Triton kernels for CUDA tensors, the torch reference
-(``reference.py``) elsewhere. Both read rows of a 2-D ``(rows, channels)`` view, through
-an optional ``slots`` index, and write the exact same bytes.
+"""Device dispatch of the part codec: Triton kernels for CUDA tensors; on the CPU the fused
+C++ codec (``cpp_backend.py``) when it builds, else the torch reference (``reference.py``).
+All read rows of a 2-D ``(rows, channels)`` view, through an optional ``slots`` index, and
+write the exact same bytes.
+
+``LYNX_CODEC_BACKEND`` picks the CPU path: ``reference`` (torch) or ``cpp`` (the C++ codec;
+a build failure then raises); unset, the C++ codec is used when it builds, the reference
+(with one logged warning) when it does not.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from . import reference
-from .format import CodecConfig, Kind, part_layout
+from . import cpp_backend, reference
+from .format import CodecConfig, CodecInputError, Kind, part_layout
+
+BACKEND_ENV = "LYNX_CODEC_BACKEND"
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
+
+
+def _use_cpp(rows: torch.Tensor) -> bool:
+    """Whether a CPU part goes to the C++ codec (read from the environment on every call)."""
+    choice = os.environ.get(BACKEND_ENV, "")
+    if choice == "reference":
+        return False
+    if choice == "cpp":
+        cpp_backend.module()
+        return rows.is_contiguous()
+    if choice:
+        raise CodecInputError(f"{BACKEND_ENV} must be 'reference' or 'cpp', got {choice!r}")
+    return rows.is_contiguous() and cpp_backend.available()
 
 
 def encode_rows(
@@ -39,6 +61,11 @@ def encode_rows(
             part = rows if slots is None else rows.index_select(0, slots)
             reference.raise_non_finite(part, where, slots, head_dim)
         return
+    if _use_cpp(rows):
+        finite = cpp_backend.encode_rows(rows, slots, kind, config, layout, anchor_out, residual_out)
+        if finite:
+            return
+        # Non-finite input: the reference zeroes the buffers and raises its located error.
     part = rows if slots is None else rows.index_select(0, slots)
     reference.encode_part(part, kind, config, anchor_out, residual_out, where, slots, head_dim)
 
@@ -55,12 +82,15 @@ def decode_rows(
 
     The caller has validated the buffers (``check_part_buffers``).
     """
+    n = rows.shape[0] if slots is None else slots.numel()
+    layout = part_layout(n, rows.shape[1], kind, config, rows.dtype)
     if _use_triton(rows):
         from . import triton_kernels
 
-        n = rows.shape[0] if slots is None else slots.numel()
-        layout = part_layout(n, rows.shape[1], kind, config, rows.dtype)
         triton_kernels.decode_rows(anchor, residual, rows, slots, kind, config, layout)
+        return
+    if _use_cpp(rows):
+        cpp_backend.decode_rows(anchor, residual, rows, slots, kind, config, layout)
         return
     if slots is None:
         reference.decode_part(anchor, residual, kind, config, rows)

@@ -1,0 +1,134 @@
+"""The C++ CPU codec writes the same bytes and pool rows as the torch reference, bit for bit,
+and refuses non-finite input with the reference's message. Its first use compiles it."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lynx.codec import CodecConfig, CodecInputError, backend, cpp_backend
+from lynx.codec.format import part_layout
+from lynx.codec.reference import decode_part, encode_part
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PATTERNS = ("normal", "random_bits", "constant", "signed_zero", "tiny", "huge", "outliers")
+
+
+def _finite_bits(dtype: torch.dtype, count: int, gen: torch.Generator) -> torch.Tensor:
+    """Uniformly random bit patterns, non-finite ones replaced by their sign's zero: every
+    exponent, subnormals and both zeros included."""
+    if dtype == torch.float32:
+        words = torch.randint(-(2**31), 2**31, (count,), generator=gen, dtype=torch.int64).to(torch.int32)
+    else:
+        words = torch.randint(-(2**15), 2**15, (count,), generator=gen, dtype=torch.int32).to(torch.int16)
+    x = words.view(dtype)
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x).copysign(x))
+
+
+def _pool(pattern: str, rows: int, channels: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, channels, generator=gen)
+    big = torch.finfo(dtype).max
+    if pattern == "random_bits":
+        return _finite_bits(dtype, rows * channels, gen).view(rows, channels)
+    if pattern == "constant":
+        x = torch.full_like(x, 1.7)
+    elif pattern == "signed_zero":
+        x = torch.where(x > 0, 0.0, -0.0)
+        x[::3] = torch.randn(x[::3].shape, generator=gen)
+    elif pattern == "tiny":
+        x = x * torch.finfo(dtype).smallest_normal * 0.25
+    elif pattern == "huge":
+        x = torch.where(x > 0, big, -big) * torch.rand(x.shape, generator=gen).clamp_min(0.5)
+    elif pattern == "outliers":
+        x = x + 40.0
+        x[:, ::7] *= 100
+    return x.to(dtype)
+
+
+@st.composite
+def parts(draw: st.DrawFn):
+    head_dim = draw(st.sampled_from([8, 16, 64]))
+    channels = head_dim * draw(st.integers(1, 3))
+    config = CodecConfig(
+        anchor_bits=draw(st.sampled_from([2, 3, 4])),
+        group_size=draw(st.sampled_from([g for g in (8, 16, 32, 64) if g <= head_dim])),
+        residual=draw(st.sampled_from(["int8", "exact"])),
+        key_layout=draw(st.sampled_from(["per_channel", "per_token"])),
+        key_block=draw(st.sampled_from([2, 4, 16, 32])),
+    )
+    n = draw(st.integers(0, 41))
+    rows = n + draw(st.integers(0, 9))
+    dtype = draw(st.sampled_from(DTYPES))
+    pool = _pool(draw(st.sampled_from(PATTERNS)), rows, channels, dtype, draw(st.integers(0, 2**31)))
+    order = draw(st.permutations(range(rows)))
+    slots = torch.tensor(order[:n], dtype=torch.int64)
+    return pool, slots, draw(st.sampled_from(["key", "value"])), config
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts())
+def test_cpp_matches_reference_bit_for_bit(case) -> None:
+    pool, slots, kind, config = case
+    n, channels = slots.numel(), pool.shape[1]
+    layout = part_layout(n, channels, kind, config, pool.dtype)
+    expect_anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
+    expect_residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
+    encode_part(pool[slots], kind, config, expect_anchor, expect_residual)
+
+    anchor = torch.full_like(expect_anchor, 0x5A)
+    residual = torch.full_like(expect_residual, 0x5A)
+    assert cpp_backend.encode_rows(pool, slots, kind, config, layout, anchor, residual)
+    assert torch.equal(anchor, expect_anchor)
+    assert torch.equal(residual, expect_residual)
+
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    for with_residual in (False, True):
+        expect = torch.empty((n, channels), dtype=pool.dtype)
+        decode_part(expect_anchor, expect_residual if with_residual else None, kind, config, expect)
+        out = torch.full_like(pool, 7.0)
+        cpp_backend.decode_rows(anchor, residual if with_residual else None, out, slots, kind, config, layout)
+        assert torch.equal(out[slots].view(torch.uint8), expect.view(torch.uint8))
+        assert bool((out[untouched] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_raises_the_reference_message(dtype, bad, monkeypatch) -> None:
+    config = CodecConfig()
+    pool = _pool("normal", 30, 64, dtype, seed=3)
+    pool[17, 41] = bad
+    slots = torch.tensor([4, 17, 9, 1, 0], dtype=torch.int64)
+    layout = part_layout(5, 64, "key", config, dtype)
+    anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
+    residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
+    assert not cpp_backend.encode_rows(pool, slots, "key", config, layout, anchor, residual)
+
+    messages = []
+    for choice in ("reference", "cpp"):
+        monkeypatch.setenv(backend.BACKEND_ENV, choice)
+        with pytest.raises(CodecInputError) as err:
+            backend.encode_rows(
+                pool, slots, "key", config, anchor, residual, where="in layer 2 keys", head_dim=32
+            )
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert "slot 17" in messages[1] and "head 1, dim 9" in messages[1]
+
+
+def test_backend_env_selects_the_path(monkeypatch) -> None:
+    config = CodecConfig()
+    pool = _pool("normal", 8, 64, torch.bfloat16, seed=5)
+    layout = part_layout(8, 64, "value", config, torch.bfloat16)
+    outputs = []
+    for choice in ("reference", "cpp", ""):
+        monkeypatch.setenv(backend.BACKEND_ENV, choice)
+        anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
+        residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
+        backend.encode_rows(pool, None, "value", config, anchor, residual)
+        outputs.append(torch.cat([anchor, residual]))
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
+    with pytest.raises(CodecInputError, match="LYNX_CODEC_BACKEND must be"):
+        backend.encode_rows(pool, None, "value", config, anchor, residual)
