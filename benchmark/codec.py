@@ -1,9 +1,11 @@
 """Codec throughput and size: encode / Anchor-only decode / full decode of one segment of
 an SGLang-style KV pool (SmolLM2-135M shape: 30 layers x 3 KV heads x 64, bf16, token
-slots scattered over twice as many rows), in GB/s of BF16 input, for the CPU path (torch)
-and, when CUDA is available, the Triton kernels side by side; plus bytes per value of each
-mode, and a SHA-256 over anchor, residual and decoded rows showing both paths wrote the
-same bytes. Prints a table, writes JSON and a PNG to benchmark/results/.
+slots scattered over twice as many rows), in GB/s of BF16 input, for the CPU paths (torch
+reference; fused C++ with torch's thread count and with one thread) and, when CUDA is
+available, the Triton kernels side by side; the speed of each path relative to the torch
+reference; bytes per value of each mode, and a SHA-256 over anchor, residual and decoded
+rows showing every path wrote the same bytes. Prints a table, writes JSON and a PNG to
+benchmark/results/.
 
     PYTHONPATH=python python benchmark/codec.py --tokens 2048
 """
@@ -13,15 +15,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from lynx.codec import CodecConfig, KVLayout, decode_pages, encode_pages, segment_nbytes
+from lynx.codec.backend import BACKEND_ENV
 
 MODES = {
     "b4 keys/ch16 int8 (default)": CodecConfig(),
@@ -47,7 +52,30 @@ def timed(fn: Callable[[], None], repeats: int, device: str) -> float:
     return statistics.median(samples)
 
 
-def run_mode(device: str, name: str, layout: KVLayout, tokens: int, repeats: int) -> dict:
+OPS = ("encode", "decode_anchor", "decode_full")
+
+
+@dataclass(frozen=True)
+class BenchPath:
+    name: str
+    device: str
+    backend: str  # LYNX_CODEC_BACKEND for CPU paths
+    threads: int  # torch threads (0: leave as is)
+
+
+def run_mode(path: BenchPath, name: str, layout: KVLayout, tokens: int, repeats: int) -> dict:
+    """One mode on one path: the backend and thread count are set for this run only."""
+    threads = torch.get_num_threads()
+    os.environ[BACKEND_ENV] = path.backend
+    torch.set_num_threads(path.threads or threads)
+    try:
+        return measure(path.name, path.device, name, layout, tokens, repeats)
+    finally:
+        torch.set_num_threads(threads)
+        del os.environ[BACKEND_ENV]
+
+
+def measure(path: str, device: str, name: str, layout: KVLayout, tokens: int, repeats: int) -> dict:
     config = MODES[name]
     gen = torch.Generator().manual_seed(0)
     rows = 2 * tokens
@@ -75,7 +103,8 @@ def run_mode(device: str, name: str, layout: KVLayout, tokens: int, repeats: int
     input_bytes = 2 * layout.num_layers * tokens * layout.channels * layout.dtype.itemsize
     values = input_bytes / layout.dtype.itemsize
     return {
-        "path": "triton" if device == "cuda" else "cpu-torch",
+        "path": path,
+        "threads": torch.get_num_threads(),
         "mode": name,
         **{f"{op}_GBps": input_bytes / s / 1e9 for op, s in seconds.items()},
         "anchor_bits_per_value": 8 * anchor_nbytes / values,
@@ -91,9 +120,9 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
-    labels = [f"{r['path']}\n{r['mode']}" for r in rows]
+    labels = [f"{r['path']} {r['threads']}t\n{r['mode']}" for r in rows]
     width = 0.27
-    for i, op in enumerate(("encode", "decode_anchor", "decode_full")):
+    for i, op in enumerate(OPS):
         ax1.bar(
             [x + (i - 1) * width for x in range(len(rows))],
             [r[f"{op}_GBps"] for r in rows],
@@ -125,24 +154,33 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/codec")
     args = parser.parse_args()
     layout = KVLayout(30, 3, 64, torch.bfloat16)
-    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    paths = [
+        BenchPath("cpu-torch", "cpu", "reference", 0),
+        BenchPath("cpu-cpp", "cpu", "cpp", 0),
+        BenchPath("cpu-cpp", "cpu", "cpp", 1),
+    ]
+    if torch.cuda.is_available():
+        paths.append(BenchPath("triton", "cuda", "reference", 0))
     rows = []
-    for device in devices:
+    for path in paths:
         for name in MODES:
-            rows.append(run_mode(device, name, layout, args.tokens, args.repeats))
-            print(f"  {device:5s} {name:28s} done", flush=True)
-    cpu = {r["mode"]: r["sha256"] for r in rows if r["path"] == "cpu-torch"}
-    print(f"\n{args.tokens}-token segment, {layout}, torch threads {torch.get_num_threads()}")
+            rows.append(run_mode(path, name, layout, args.tokens, args.repeats))
+            print(f"  {path.name:9s} {name:28s} done", flush=True)
+    reference = {r["mode"]: r for r in rows if r["path"] == "cpu-torch"}
+    print(f"\n{args.tokens}-token segment, {layout}")
     print(
-        "| path | mode | encode GB/s | anchor decode GB/s | full decode GB/s | "
-        "anchor bits/value | residual bits/value | same bytes as CPU |"
+        "| path | threads | mode | encode GB/s | anchor decode GB/s | full decode GB/s | "
+        "x torch (enc / anchor / full) | anchor bits/value | residual bits/value | same bytes as torch |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        r["same_as_cpu"] = cpu[r["mode"]] == r["sha256"]
+        base = reference[r["mode"]]
+        r["same_as_cpu"] = base["sha256"] == r["sha256"]
+        r["ratio_to_torch"] = {op: r[f"{op}_GBps"] / base[f"{op}_GBps"] for op in OPS}
+        ratios = " / ".join(f"{r['ratio_to_torch'][op]:.1f}" for op in OPS)
         print(
-            f"| {r['path']} | {r['mode']} | {r['encode_GBps']:.3f} | "
-            f"{r['decode_anchor_GBps']:.3f} | {r['decode_full_GBps']:.3f} | "
+            f"| {r['path']} | {r['threads']} | {r['mode']} | {r['encode_GBps']:.3f} | "
+            f"{r['decode_anchor_GBps']:.3f} | {r['decode_full_GBps']:.3f} | {ratios} | "
             f"{r['anchor_bits_per_value']:.2f} | {r['residual_bits_per_value']:.2f} | "
             f"{r['same_as_cpu']} |"
         )
@@ -153,7 +191,6 @@ def main() -> None:
             {
                 "tokens": args.tokens,
                 "layout": str(layout),
-                "threads": torch.get_num_threads(),
                 "rows": rows,
             },
             indent=1,

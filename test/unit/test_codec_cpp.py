@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lynx.codec import CodecConfig, CodecInputError, backend, cpp_backend
+from lynx.codec import CodecConfig, CodecInputError, backend, cpp_backend, reference
 from lynx.codec.format import part_layout
 from lynx.codec.reference import decode_part, encode_part
 
@@ -132,3 +132,24 @@ def test_backend_env_selects_the_path(monkeypatch) -> None:
     monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     with pytest.raises(CodecInputError, match="LYNX_CODEC_BACKEND must be"):
         backend.encode_rows(pool, None, "value", config, anchor, residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("array", "value"),
+    [("mins", float("nan")), ("scales", float("inf")), ("scales", -0.5), ("scales", -0.0), ("mins", -3.0)],
+)
+def test_anchor_faults_match_the_reference(dtype, array, value) -> None:
+    config = CodecConfig()
+    layout = part_layout(21, 64, "key", config, dtype)
+    anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
+    residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
+    assert cpp_backend.encode_rows(
+        _pool("normal", 21, 64, dtype, 2), None, "key", config, layout, anchor, residual
+    )
+    assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == 0
+    offset = layout.mins_offset if array == "mins" else layout.scales_offset
+    anchor[offset : offset + layout.param_nbytes].view(dtype)[layout.num_groups - 1] = value
+    fault = reference.anchor_params_fault(anchor, layout, dtype)
+    assert fault == (2 if value == -0.5 else 1 if value != value or abs(value) == float("inf") else 0)
+    assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == fault

@@ -115,4 +115,8 @@ def check_part_buffers(
     reference.check_buffer(anchor, layout.anchor_nbytes, f"anchor {where}")
     if residual is not None:
         reference.check_buffer(residual, layout.residual_nbytes, f"residual {where}")
-    reference.check_anchor_params(anchor, layout, dtype, where)
+    if _use_cpp(anchor):
+        fault = cpp_backend.anchor_params_fault(anchor, layout, dtype)
+    else:
+        fault = reference.anchor_params_fault(anchor, layout, dtype)
+    reference.raise_anchor_fault(fault, where)

@@ -121,3 +121,10 @@ def decode_rows(
         layout.codes_offset,
         torch.get_num_threads(),
     )
+
+
+def anchor_params_fault(anchor: torch.Tensor, layout: PartLayout, dtype: torch.dtype) -> int:
+    """``reference.anchor_params_fault`` in one pass over the parameter words."""
+    return module().anchor_params_fault(
+        anchor, torch.empty(0, dtype=dtype), layout.num_groups, layout.scales_offset
+    )

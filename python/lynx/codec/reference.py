@@ -214,14 +214,29 @@ def decode_part(
     out.copy_(decode_tensors(mins, scales, codes, fine, kind, config, out))
 
 
-def check_anchor_params(anchor: torch.Tensor, layout: PartLayout, dtype: torch.dtype, where: str) -> None:
-    """Refuse an anchor whose group minimums are not finite or scales not finite and >= 0."""
+ANCHOR_FAULTS = (
+    "",
+    "a group minimum or scale is not finite",
+    "a group scale is negative",
+)
+"""What anchor_params_fault's code (an index) means; 0: none."""
+
+
+def anchor_params_fault(anchor: torch.Tensor, layout: PartLayout, dtype: torch.dtype) -> int:
+    """Index into ANCHOR_FAULTS of the first fault of an anchor's group minimums and scales."""
     mins = params(anchor, layout, layout.mins_offset, dtype)
     scales = params(anchor, layout, layout.scales_offset, dtype)
     if not (bool(torch.isfinite(mins).all()) and bool(torch.isfinite(scales).all())):
-        raise CodecInputError(f"corrupt anchor {where}: a group minimum or scale is not finite")
+        return 1
     if not bool((scales >= 0).all()):
-        raise CodecInputError(f"corrupt anchor {where}: a group scale is negative")
+        return 2
+    return 0
+
+
+def raise_anchor_fault(fault: int, where: str) -> None:
+    """Refuse a corrupt anchor (fault: an ANCHOR_FAULTS index, 0 passes)."""
+    if fault:
+        raise CodecInputError(f"corrupt anchor {where}: {ANCHOR_FAULTS[fault]}")
 
 
 def check_buffer(buf: torch.Tensor, nbytes: int, what: str) -> None:

@@ -101,9 +101,27 @@ void decode_rows(torch::Tensor anchor, c10::optional<torch::Tensor> residual, to
   }
 }
 
+// `like` only carries the KV dtype.
+int64_t anchor_fault(torch::Tensor anchor, torch::Tensor like, int64_t groups, int64_t scales_offset) {
+  check_bytes(anchor);
+  TORCH_CHECK(scales_offset + groups * like.element_size() <= anchor.numel(), "anchor buffer too small");
+  const uint8_t* a = anchor.data_ptr<uint8_t>();
+  switch (like.scalar_type()) {
+    case torch::kBFloat16:
+      return lynx_codec::anchor_params_fault<BF16>(a, groups, scales_offset);
+    case torch::kHalf:
+      return lynx_codec::anchor_params_fault<FP16>(a, groups, scales_offset);
+    case torch::kFloat:
+      return lynx_codec::anchor_params_fault<FP32>(a, groups, scales_offset);
+    default:
+      TORCH_CHECK(false, "unsupported KV dtype ", like.scalar_type());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_rows", &encode_rows, "Encode rows[slots] as one part; returns False on non-finite input");
   m.def("decode_rows", &decode_rows, "Decode one part into rows[slots]");
+  m.def("anchor_params_fault", &anchor_fault, "0, or why an anchor's minimums/scales are corrupt");
 }

@@ -5,8 +5,8 @@
 // of fminf, 8 lanes per reduction).
 #pragma once
 
-#ifndef __BMI2__
-#error "the Lynx CPU codec needs BMI2 (x86-64 since Haswell); the torch reference is used instead"
+#if !defined(__AVX2__) || !defined(__BMI2__)
+#error "the Lynx CPU codec needs AVX2 and BMI2 (x86-64 since Haswell); the torch reference is used instead"
 #endif
 
 #include <immintrin.h>
@@ -29,12 +29,6 @@ inline uint32_t float_to_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
-}
-
-// Round half to even for |t| < 2**22 (larger |t| is clamped by every caller anyway).
-inline float round_half_even(float t) {
-  const float magic = 12582912.0f;  // 1.5 * 2**23
-  return t >= 0.0f ? (t + magic) - magic : (t - magic) + magic;
 }
 
 struct BF16 {
@@ -170,22 +164,31 @@ inline GroupParams<D> group_params(float lo, float hi, float levels) {
   return p;
 }
 
-// Anchor and residual codes of n values, each with its group's factors.
+// Eight uint8 codes from eight float32 integers in 0..255.
+inline void store_codes(__m256 codes, uint8_t* out) {
+  const __m256i words = _mm256_cvttps_epi32(codes);
+  const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(halves, halves));
+}
+
+// Anchor and residual codes of n (a multiple of 8) values, each with its group's factors.
+// AVX2: _mm256_round_ps rounds half to even exactly; GCC does not vectorise roundevenf.
 inline void quantize(const float* x, const float* half_lo, const float* divisor, int64_t n, float levels,
                      int rbits, bool fine, uint8_t* u_out, uint8_t* v_out) {
-  const float fine_scale = static_cast<float>(1 << rbits);
-  const float centre = static_cast<float>(1 << (rbits - 1));
-  for (int64_t c = 0; c < n; ++c) {
-    float t = (x[c] * 0.5f - half_lo[c]) / divisor[c];
-    float u = round_half_even(t);
-    u = u < 0.0f ? 0.0f : u;
-    u = u > levels ? levels : u;
-    u_out[c] = static_cast<uint8_t>(static_cast<int32_t>(u));
+  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(levels);
+  const __m256 fine_scale = _mm256_set1_ps(static_cast<float>(1 << rbits));
+  const __m256 centre = _mm256_set1_ps(static_cast<float>(1 << (rbits - 1)));
+  const __m256 fine_lo = _mm256_sub_ps(zero, centre);
+  const __m256 fine_hi = _mm256_sub_ps(centre, _mm256_set1_ps(1.0f));
+  for (int64_t c = 0; c < n; c += 8) {
+    const __m256 xs = _mm256_mul_ps(_mm256_loadu_ps(x + c), half);
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(xs, _mm256_loadu_ps(half_lo + c)), _mm256_loadu_ps(divisor + c));
+    const __m256 u = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(t, nearest), zero), top);
+    store_codes(u, u_out + c);
     if (fine) {
-      float v = round_half_even((t - u) * fine_scale);
-      v = v < -centre ? -centre : v;
-      v = v > centre - 1.0f ? centre - 1.0f : v;
-      v_out[c] = static_cast<uint8_t>(static_cast<int32_t>(v + centre));
+      const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(t, u), fine_scale), nearest);
+      store_codes(_mm256_add_ps(_mm256_min_ps(_mm256_max_ps(v, fine_lo), fine_hi), centre), v_out + c);
     }
   }
 }
@@ -355,6 +358,20 @@ void decode_impl(const Part& p, const uint8_t* anchor, const uint8_t* residual, 
       }
     }
   }
+}
+
+// 0: every group minimum and scale finite and every scale >= 0; 1: one is not finite;
+// 2: a scale is negative (the order and codes of reference.anchor_params_fault).
+template <typename D>
+int anchor_params_fault(const uint8_t* anchor, int64_t groups, int64_t scales_offset) {
+  const typename D::Word* mins = reinterpret_cast<const typename D::Word*>(anchor);
+  const typename D::Word* scales = reinterpret_cast<const typename D::Word*>(anchor + scales_offset);
+  bool non_finite = false, negative = false;
+  for (int64_t g = 0; g < groups; ++g) {
+    non_finite |= D::non_finite(mins[g]) | D::non_finite(scales[g]);
+    negative |= D::to_float(scales[g]) < 0.0f;
+  }
+  return non_finite ? 1 : negative ? 2 : 0;
 }
 
 }  // namespace lynx_codec
