@@ -6,7 +6,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lynx.codec import CodecConfig, CodecInputError, backend, cpp_backend, reference
+from lynx.codec import (
+    CodecConfig,
+    CodecInputError,
+    KVLayout,
+    backend,
+    cpp_backend,
+    decode_pages,
+    encode_pages,
+    reference,
+    segment_nbytes,
+)
+from lynx.codec.cpp_backend import PartIO
 from lynx.codec.format import part_layout
 from lynx.codec.reference import decode_part, encode_part
 
@@ -78,7 +89,7 @@ def test_cpp_matches_reference_bit_for_bit(case) -> None:
 
     anchor = torch.full_like(expect_anchor, 0x5A)
     residual = torch.full_like(expect_residual, 0x5A)
-    assert cpp_backend.encode_rows(pool, slots, kind, config, layout, anchor, residual)
+    assert cpp_backend.encode_parts([PartIO(pool, kind, anchor, residual)], slots, config) == [True]
     assert torch.equal(anchor, expect_anchor)
     assert torch.equal(residual, expect_residual)
 
@@ -88,7 +99,9 @@ def test_cpp_matches_reference_bit_for_bit(case) -> None:
         expect = torch.empty((n, channels), dtype=pool.dtype)
         decode_part(expect_anchor, expect_residual if with_residual else None, kind, config, expect)
         out = torch.full_like(pool, 7.0)
-        cpp_backend.decode_rows(anchor, residual if with_residual else None, out, slots, kind, config, layout)
+        cpp_backend.decode_parts(
+            [PartIO(out, kind, anchor, residual if with_residual else None)], slots, config
+        )
         assert torch.equal(out[slots].view(torch.uint8), expect.view(torch.uint8))
         assert bool((out[untouched] == 7.0).all())
 
@@ -103,7 +116,7 @@ def test_non_finite_input_raises_the_reference_message(dtype, bad, monkeypatch) 
     layout = part_layout(5, 64, "key", config, dtype)
     anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
     residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
-    assert not cpp_backend.encode_rows(pool, slots, "key", config, layout, anchor, residual)
+    assert cpp_backend.encode_parts([PartIO(pool, "key", anchor, residual)], slots, config) == [False]
 
     messages = []
     for choice in ("reference", "cpp"):
@@ -144,12 +157,45 @@ def test_anchor_faults_match_the_reference(dtype, array, value) -> None:
     layout = part_layout(21, 64, "key", config, dtype)
     anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
     residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
-    assert cpp_backend.encode_rows(
-        _pool("normal", 21, 64, dtype, 2), None, "key", config, layout, anchor, residual
-    )
+    part = PartIO(_pool("normal", 21, 64, dtype, 2), "key", anchor, residual)
+    assert cpp_backend.encode_parts([part], None, config) == [True]
     assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == 0
     offset = layout.mins_offset if array == "mins" else layout.scales_offset
     anchor[offset : offset + layout.param_nbytes].view(dtype)[layout.num_groups - 1] = value
     fault = reference.anchor_params_fault(anchor, layout, dtype)
     assert fault == (2 if value == -0.5 else 1 if value != value or abs(value) == float("inf") else 0)
     assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == fault
+
+
+def test_segment_in_one_region_matches_reference_and_locates_non_finite(monkeypatch) -> None:
+    """encode_pages/decode_pages hand all parts to the C++ codec at once: same bytes and rows,
+    and a NaN in a later layer raises the reference's message."""
+    config = CodecConfig(anchor_bits=3, key_block=4)
+    layout = KVLayout(3, 2, 32, torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    pools = [(torch.randn(50, 2, 32, generator=gen) * 5).to(torch.bfloat16) for _ in range(6)]
+    slots = torch.tensor([7, 3, 40, 41, 8, 19, 22, 5, 30, 1, 2], dtype=torch.int64)
+    sizes = segment_nbytes(layout, slots.numel(), config)
+    outputs = {}
+    for choice in ("reference", "cpp"):
+        monkeypatch.setenv(backend.BACKEND_ENV, choice)
+        k, v = [p.clone() for p in pools[::2]], [p.clone() for p in pools[1::2]]
+        anchor = torch.full((sizes[0],), 0x5A, dtype=torch.uint8)
+        residual = torch.full((sizes[1],), 0x5A, dtype=torch.uint8)
+        encode_pages(k, v, slots, config, anchor, residual)
+        decode_pages(anchor, residual, k, v, slots, config)
+        full = torch.cat([b.view(torch.uint8).reshape(-1) for b in k + v])
+        decode_pages(anchor, None, k, v, slots, config)
+        anchor_only = torch.cat([b.view(torch.uint8).reshape(-1) for b in k + v])
+        outputs[choice] = (anchor, residual, full, anchor_only)
+    assert all(torch.equal(a, b) for a, b in zip(outputs["reference"], outputs["cpp"], strict=True))
+
+    pools[3][30, 1, 5] = float("nan")  # layer 1 values, slot 30
+    messages = []
+    for choice in ("reference", "cpp"):
+        monkeypatch.setenv(backend.BACKEND_ENV, choice)
+        with pytest.raises(CodecInputError) as err:
+            encode_pages(pools[::2], pools[1::2], slots, config, anchor, residual)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert "layer 1 values" in messages[1] and "slot 30" in messages[1]

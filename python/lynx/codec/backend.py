@@ -11,10 +11,12 @@ a build failure then raises); unset, the C++ codec is used when it builds, the r
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
 from . import cpp_backend, reference
+from .cpp_backend import PartIO
 from .format import CodecConfig, CodecInputError, Kind, part_layout
 
 BACKEND_ENV = "LYNX_CODEC_BACKEND"
@@ -62,7 +64,7 @@ def encode_rows(
             reference.raise_non_finite(part, where, slots, head_dim)
         return
     if _use_cpp(rows):
-        finite = cpp_backend.encode_rows(rows, slots, kind, config, layout, anchor_out, residual_out)
+        (finite,) = cpp_backend.encode_parts([PartIO(rows, kind, anchor_out, residual_out)], slots, config)
         if finite:
             return
         # Non-finite input: the reference zeroes the buffers and raises its located error.
@@ -90,7 +92,7 @@ def decode_rows(
         triton_kernels.decode_rows(anchor, residual, rows, slots, kind, config, layout)
         return
     if _use_cpp(rows):
-        cpp_backend.decode_rows(anchor, residual, rows, slots, kind, config, layout)
+        cpp_backend.decode_parts([PartIO(rows, kind, anchor, residual)], slots, config)
         return
     if slots is None:
         reference.decode_part(anchor, residual, kind, config, rows)
@@ -98,6 +100,43 @@ def decode_rows(
     part = torch.empty((slots.numel(), rows.shape[1]), dtype=rows.dtype, device=rows.device)
     reference.decode_part(anchor, residual, kind, config, part)
     rows.index_copy_(0, slots, part)
+
+
+def encode_parts(
+    parts: Sequence[PartIO],
+    wheres: Sequence[str],
+    slots: torch.Tensor,
+    config: CodecConfig,
+    head_dim: int,
+) -> None:
+    """``encode_rows`` of several parts (in wire order; ``wheres`` name them in errors); the
+    C++ codec runs them all in one parallel region."""
+    if not (parts and _use_cpp(parts[0].rows)) or not all(part.rows.is_contiguous() for part in parts):
+        for part, where in zip(parts, wheres, strict=True):
+            encode_rows(part.rows, slots, part.kind, config, part.anchor, part.residual, where, head_dim)
+        return
+    for part in parts:
+        layout = part_layout(slots.numel(), part.rows.shape[1], part.kind, config, part.rows.dtype)
+        reference.check_buffer(part.anchor, layout.anchor_nbytes, "anchor")
+        reference.check_buffer(part.residual, layout.residual_nbytes, "residual")
+    for part, where, finite in zip(
+        parts, wheres, cpp_backend.encode_parts(parts, slots, config), strict=True
+    ):
+        if not finite:  # the reference zeroes this part's buffers and raises its located error
+            part_rows = part.rows.index_select(0, slots)
+            reference.encode_part(
+                part_rows, part.kind, config, part.anchor, part.residual, where, slots, head_dim
+            )
+
+
+def decode_parts(parts: Sequence[PartIO], slots: torch.Tensor, config: CodecConfig) -> None:
+    """``decode_rows`` of several validated parts; the C++ codec runs them all in one
+    parallel region."""
+    if parts and _use_cpp(parts[0].rows) and all(part.rows.is_contiguous() for part in parts):
+        cpp_backend.decode_parts(parts, slots, config)
+        return
+    for part in parts:
+        decode_rows(part.anchor, part.residual, part.rows, slots, part.kind, config)
 
 
 def check_part_buffers(

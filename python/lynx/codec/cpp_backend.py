@@ -13,12 +13,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
-from .format import CodecConfig, Kind, PartLayout
+from .format import CodecConfig, Kind, PartLayout, part_layout
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "cpu_codec.cpp", _CSRC / "cpu_codec_kernels.h")
@@ -65,60 +67,62 @@ def available() -> bool:
     return not isinstance(_build(), BaseException)
 
 
-def _per_channel(kind: Kind, config: CodecConfig) -> bool:
-    return kind == "key" and config.key_layout == "per_channel"
+class PartIO(NamedTuple):
+    """One part of a call: its pool rows (read through the shared slots) and its byte ranges
+    (``residual`` None: Anchor-only decode)."""
+
+    rows: torch.Tensor
+    kind: Kind
+    anchor: torch.Tensor
+    residual: torch.Tensor | None
 
 
-def encode_rows(
-    rows: torch.Tensor,
-    slots: torch.Tensor | None,
-    kind: Kind,
-    config: CodecConfig,
-    layout: PartLayout,
-    anchor_out: torch.Tensor,
-    residual_out: torch.Tensor,
-) -> bool:
-    """Encode ``rows[slots]`` into the part's buffers; False when the input was not finite
-    (the buffers then hold garbage: the caller raises)."""
+def _geometry(parts: Sequence[PartIO], n: int, config: CodecConfig) -> tuple[list[bool], list[PartLayout]]:
+    per_channel = [part.kind == "key" and config.key_layout == "per_channel" for part in parts]
+    layouts = [part_layout(n, part.rows.shape[1], part.kind, config, part.rows.dtype) for part in parts]
+    return per_channel, layouts
+
+
+def encode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: CodecConfig) -> list[bool]:
+    """Encode each part's ``rows[slots]`` into its buffers, all in one parallel region; per
+    part, whether its input was finite (if not, its buffers hold garbage: the caller raises)."""
+    n = parts[0].rows.shape[0] if slots is None else slots.numel()
+    per_channel, layouts = _geometry(parts, n, config)
     return module().encode_rows(
-        rows,
+        [part.rows for part in parts],
         None if slots is None else slots.contiguous(),
-        _per_channel(kind, config),
+        per_channel,
         config.group_size,
         config.key_block,
         config.anchor_bits,
         config.residual == "exact",
-        layout.param_nbytes,
-        layout.scales_offset,
-        layout.codes_offset,
-        anchor_out,
-        residual_out,
+        [layout.param_nbytes for layout in layouts],
+        [layout.scales_offset for layout in layouts],
+        [layout.codes_offset for layout in layouts],
+        [part.anchor for part in parts],
+        [part.residual for part in parts],
         torch.get_num_threads(),
     )
 
 
-def decode_rows(
-    anchor: torch.Tensor,
-    residual: torch.Tensor | None,
-    rows: torch.Tensor,
-    slots: torch.Tensor | None,
-    kind: Kind,
-    config: CodecConfig,
-    layout: PartLayout,
-) -> None:
-    """Decode one validated part into ``rows[slots]`` in place (residual None: Anchor only)."""
+def decode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: CodecConfig) -> None:
+    """Decode validated parts into their ``rows[slots]`` in place, in one parallel region
+    (all with a residual or all without)."""
+    n = parts[0].rows.shape[0] if slots is None else slots.numel()
+    per_channel, layouts = _geometry(parts, n, config)
+    residuals = [part.residual for part in parts]
     module().decode_rows(
-        anchor,
-        residual,
-        rows,
+        [part.anchor for part in parts],
+        None if residuals[0] is None else residuals,
+        [part.rows for part in parts],
         None if slots is None else slots.contiguous(),
-        _per_channel(kind, config),
+        per_channel,
         config.group_size,
         config.key_block,
         config.anchor_bits,
         config.residual == "exact",
-        layout.scales_offset,
-        layout.codes_offset,
+        [layout.scales_offset for layout in layouts],
+        [layout.codes_offset for layout in layouts],
         torch.get_num_threads(),
     )
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from . import backend
+from .cpp_backend import PartIO
 from .format import (
     CodecConfig,
     CodecInputError,
@@ -121,18 +122,12 @@ def encode_pages(
     """
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor_out, residual_out)
     buffers = {"key": k_buffers, "value": v_buffers}
+    parts, wheres = [], []
     for layer, kind, anchor_range, residual_range in _parts(layout, slots.numel(), config):
         rows = buffers[kind][layer].view(-1, layout.channels)
-        backend.encode_rows(
-            rows,
-            slots,
-            kind,
-            config,
-            anchor_out[anchor_range],
-            residual_out[residual_range],
-            where=f"in layer {layer} {kind}s",
-            head_dim=layout.head_dim,
-        )
+        parts.append(PartIO(rows, kind, anchor_out[anchor_range], residual_out[residual_range]))
+        wheres.append(f"in layer {layer} {kind}s")
+    backend.encode_parts(parts, wheres, slots, config, layout.head_dim)
 
 
 def decode_pages(
@@ -163,12 +158,16 @@ def decode_pages(
             f"layer {layer} {kind}s",
         )
     buffers = {"key": k_buffers, "value": v_buffers}
-    for layer, kind, anchor_range, residual_range in parts:
-        backend.decode_rows(
-            anchor[anchor_range],
-            None if residual is None else residual[residual_range],
-            buffers[kind][layer].view(-1, layout.channels),
-            slots,
-            kind,
-            config,
-        )
+    backend.decode_parts(
+        [
+            PartIO(
+                buffers[kind][layer].view(-1, layout.channels),
+                kind,
+                anchor[anchor_range],
+                None if residual is None else residual[residual_range],
+            )
+            for layer, kind, anchor_range, residual_range in parts
+        ],
+        slots,
+        config,
+    )

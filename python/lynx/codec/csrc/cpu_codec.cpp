@@ -8,9 +8,10 @@ namespace {
 
 using namespace lynx_codec;
 
+// One part's geometry: rows[slots] (all rows without slots) as an (n, channels) part.
 Part make_part(const torch::Tensor& rows, const c10::optional<torch::Tensor>& slots, bool per_channel,
                int64_t group_size, int64_t key_block, int64_t bits, bool exact, int64_t scales_offset,
-               int64_t codes_offset, int64_t threads) {
+               int64_t codes_offset) {
   TORCH_CHECK(rows.device().is_cpu() && rows.dim() == 2 && rows.is_contiguous(),
               "rows must be a contiguous 2-D CPU tensor");
   Part p;
@@ -30,7 +31,6 @@ Part make_part(const torch::Tensor& rows, const c10::optional<torch::Tensor>& sl
   p.exact = exact;
   p.scales_offset = scales_offset;
   p.codes_offset = codes_offset;
-  p.threads = static_cast<int>(std::max<int64_t>(1, threads));
   return p;
 }
 
@@ -51,53 +51,95 @@ void zero_padding(const Part& p, int64_t param_nbytes, int64_t itemsize, torch::
   std::memset(residual.data_ptr<uint8_t>() + residual_end, 0, residual.numel() - residual_end);
 }
 
-bool encode_rows(torch::Tensor rows, c10::optional<torch::Tensor> slots, bool per_channel, int64_t group_size,
-                 int64_t key_block, int64_t bits, bool exact, int64_t param_nbytes, int64_t scales_offset,
-                 int64_t codes_offset, torch::Tensor anchor, torch::Tensor residual,
-                 int64_t threads) {
-  Part p = make_part(rows, slots, per_channel, group_size, key_block, bits, exact, scales_offset, codes_offset,
-                     threads);
-  check_bytes(anchor);
-  check_bytes(residual);
-  TORCH_CHECK(codes_offset + p.n * p.channels * bits / 8 <= anchor.numel(), "anchor buffer too small");
-  zero_padding(p, param_nbytes, rows.element_size(), anchor, residual);
-  uint8_t* r = residual.data_ptr<uint8_t>();
-  if (p.n == 0) return true;
-  uint8_t* a = anchor.data_ptr<uint8_t>();
-  switch (rows.scalar_type()) {
+template <typename D>
+std::vector<bool> encode_typed(const std::vector<Part>& parts, const std::vector<torch::Tensor>& rows,
+                               std::vector<torch::Tensor>& anchors, std::vector<torch::Tensor>& residuals,
+                               int threads) {
+  std::vector<EncodeJob<D>> jobs;
+  for (size_t i = 0; i < parts.size(); ++i)
+    jobs.push_back({parts[i], reinterpret_cast<const typename D::Word*>(rows[i].data_ptr()),
+                    anchors[i].data_ptr<uint8_t>(), residuals[i].data_ptr<uint8_t>()});
+  return encode_parts(jobs, threads);
+}
+
+// Encode parts i = rows[i][slots] (same slots, config and dtype; per-part key/value kind and
+// offsets) in one parallel region; per part, whether its input was finite.
+std::vector<bool> encode_rows(std::vector<torch::Tensor> rows, c10::optional<torch::Tensor> slots,
+                              std::vector<bool> per_channel, int64_t group_size, int64_t key_block, int64_t bits,
+                              bool exact, std::vector<int64_t> param_nbytes, std::vector<int64_t> scales_offset,
+                              std::vector<int64_t> codes_offset, std::vector<torch::Tensor> anchors,
+                              std::vector<torch::Tensor> residuals, int64_t threads) {
+  const size_t count = rows.size();
+  TORCH_CHECK(count > 0 && per_channel.size() == count && param_nbytes.size() == count &&
+                  scales_offset.size() == count && codes_offset.size() == count && anchors.size() == count &&
+                  residuals.size() == count,
+              "one entry per part in every list");
+  std::vector<Part> parts;
+  for (size_t i = 0; i < count; ++i) {
+    TORCH_CHECK(rows[i].scalar_type() == rows[0].scalar_type(), "all parts must share a dtype");
+    Part p = make_part(rows[i], slots, per_channel[i], group_size, key_block, bits, exact, scales_offset[i],
+                       codes_offset[i]);
+    check_bytes(anchors[i]);
+    check_bytes(residuals[i]);
+    TORCH_CHECK(p.codes_offset + p.n * p.channels * bits / 8 <= anchors[i].numel(), "anchor buffer too small");
+    zero_padding(p, param_nbytes[i], rows[i].element_size(), anchors[i], residuals[i]);
+    parts.push_back(p);
+  }
+  if (parts[0].n == 0) return std::vector<bool>(count, true);
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, threads));
+  switch (rows[0].scalar_type()) {
     case torch::kBFloat16:
-      return encode_impl<BF16>(p, reinterpret_cast<const uint16_t*>(rows.data_ptr()), a, r);
+      return encode_typed<BF16>(parts, rows, anchors, residuals, nthreads);
     case torch::kHalf:
-      return encode_impl<FP16>(p, reinterpret_cast<const uint16_t*>(rows.data_ptr()), a, r);
+      return encode_typed<FP16>(parts, rows, anchors, residuals, nthreads);
     case torch::kFloat:
-      return encode_impl<FP32>(p, reinterpret_cast<const uint32_t*>(rows.data_ptr()), a, r);
+      return encode_typed<FP32>(parts, rows, anchors, residuals, nthreads);
     default:
-      TORCH_CHECK(false, "unsupported KV dtype ", rows.scalar_type());
+      TORCH_CHECK(false, "unsupported KV dtype ", rows[0].scalar_type());
   }
 }
 
-void decode_rows(torch::Tensor anchor, c10::optional<torch::Tensor> residual, torch::Tensor rows,
-                 c10::optional<torch::Tensor> slots, bool per_channel, int64_t group_size, int64_t key_block,
-                 int64_t bits, bool exact, int64_t scales_offset, int64_t codes_offset, int64_t threads) {
-  Part p = make_part(rows, slots, per_channel, group_size, key_block, bits, exact, scales_offset, codes_offset,
-                     threads);
-  check_bytes(anchor);
-  const uint8_t* r = nullptr;
-  if (residual.has_value()) {
-    check_bytes(*residual);
-    r = residual->data_ptr<uint8_t>();
+template <typename D>
+void decode_typed(const std::vector<Part>& parts, const std::vector<torch::Tensor>& anchors,
+                  const c10::optional<std::vector<torch::Tensor>>& residuals, std::vector<torch::Tensor>& rows,
+                  int threads) {
+  std::vector<DecodeJob<D>> jobs;
+  for (size_t i = 0; i < parts.size(); ++i)
+    jobs.push_back({parts[i], anchors[i].data_ptr<uint8_t>(),
+                    residuals.has_value() ? (*residuals)[i].data_ptr<uint8_t>() : nullptr,
+                    reinterpret_cast<typename D::Word*>(rows[i].data_ptr())});
+  decode_parts(jobs, threads);
+}
+
+// Decode parts i into rows[i][slots] in one parallel region (residuals None: Anchor only).
+void decode_rows(std::vector<torch::Tensor> anchors, c10::optional<std::vector<torch::Tensor>> residuals,
+                 std::vector<torch::Tensor> rows, c10::optional<torch::Tensor> slots, std::vector<bool> per_channel,
+                 int64_t group_size, int64_t key_block, int64_t bits, bool exact, std::vector<int64_t> scales_offset,
+                 std::vector<int64_t> codes_offset, int64_t threads) {
+  const size_t count = rows.size();
+  TORCH_CHECK(count > 0 && per_channel.size() == count && scales_offset.size() == count &&
+                  codes_offset.size() == count && anchors.size() == count &&
+                  (!residuals.has_value() || residuals->size() == count),
+              "one entry per part in every list");
+  std::vector<Part> parts;
+  for (size_t i = 0; i < count; ++i) {
+    TORCH_CHECK(rows[i].scalar_type() == rows[0].scalar_type(), "all parts must share a dtype");
+    parts.push_back(make_part(rows[i], slots, per_channel[i], group_size, key_block, bits, exact,
+                              scales_offset[i], codes_offset[i]));
+    check_bytes(anchors[i]);
+    if (residuals.has_value()) check_bytes((*residuals)[i]);
   }
-  if (p.n == 0) return;
-  const uint8_t* a = anchor.data_ptr<uint8_t>();
-  switch (rows.scalar_type()) {
+  if (parts[0].n == 0) return;
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, threads));
+  switch (rows[0].scalar_type()) {
     case torch::kBFloat16:
-      return decode_impl<BF16>(p, a, r, reinterpret_cast<uint16_t*>(rows.data_ptr()));
+      return decode_typed<BF16>(parts, anchors, residuals, rows, nthreads);
     case torch::kHalf:
-      return decode_impl<FP16>(p, a, r, reinterpret_cast<uint16_t*>(rows.data_ptr()));
+      return decode_typed<FP16>(parts, anchors, residuals, rows, nthreads);
     case torch::kFloat:
-      return decode_impl<FP32>(p, a, r, reinterpret_cast<uint32_t*>(rows.data_ptr()));
+      return decode_typed<FP32>(parts, anchors, residuals, rows, nthreads);
     default:
-      TORCH_CHECK(false, "unsupported KV dtype ", rows.scalar_type());
+      TORCH_CHECK(false, "unsupported KV dtype ", rows[0].scalar_type());
   }
 }
 
@@ -121,7 +163,7 @@ int64_t anchor_fault(torch::Tensor anchor, torch::Tensor like, int64_t groups, i
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode_rows", &encode_rows, "Encode rows[slots] as one part; returns False on non-finite input");
-  m.def("decode_rows", &decode_rows, "Decode one part into rows[slots]");
+  m.def("encode_rows", &encode_rows, "Encode parts rows[i][slots]; per part, whether its input was finite");
+  m.def("decode_rows", &decode_rows, "Decode parts into rows[i][slots]");
   m.def("anchor_params_fault", &anchor_fault, "0, or why an anchor's minimums/scales are corrupt");
 }

@@ -139,7 +139,6 @@ struct Part {
   int64_t n, channels, group_size, key_block, bits, scales_offset, codes_offset;
   bool per_channel, exact;
   const int64_t* slots;  // nullptr: row i is token i
-  int threads;
   int64_t row(int64_t token) const { return slots ? slots[token] : token; }
   int rbits() const { return 8 - static_cast<int>(bits); }
 };
@@ -193,169 +192,249 @@ inline void quantize(const float* x, const float* half_lo, const float* divisor,
   }
 }
 
+inline int64_t tokens_per_unit(const Part& p) { return p.per_channel ? p.key_block : 1; }
+
+// Work units of a part: one key block (per-channel keys) or one token.
+inline int64_t units_of(const Part& p) { return (p.n + tokens_per_unit(p) - 1) / tokens_per_unit(p); }
+
+// The (part, unit) work items of several parts, numbered consecutively, so that one parallel
+// region covers a whole segment: each region waits for its slowest thread (one sharing its
+// core with other load waits a scheduler slice), once per segment rather than once per part.
+class WorkItems {
+ public:
+  template <typename Job>
+  explicit WorkItems(const std::vector<Job>& jobs) {
+    for (const Job& job : jobs) {
+      starts_.push_back(total_);
+      total_ += units_of(job.p);
+      channels_ = std::max(channels_, job.p.channels);
+      tokens_ = std::max(tokens_, tokens_per_unit(job.p));
+    }
+  }
+  int64_t total() const { return total_; }
+  int64_t channels() const { return channels_; }
+  int64_t tokens() const { return tokens_; }
+  // (part index, unit within the part) of an item.
+  std::pair<size_t, int64_t> at(int64_t item) const {
+    const size_t part = std::upper_bound(starts_.begin(), starts_.end(), item) - starts_.begin() - 1;
+    return {part, item - starts_[part]};
+  }
+
+ private:
+  std::vector<int64_t> starts_;
+  int64_t total_ = 0, channels_ = 0, tokens_ = 0;
+};
+
 template <typename D>
-bool encode_impl(const Part& p, const typename D::Word* rows, uint8_t* anchor, uint8_t* residual) {
+struct EncodeJob {
+  Part p;
+  const typename D::Word* rows;
+  uint8_t* anchor;
+  uint8_t* residual;
+};
+
+// Per-thread buffers, sized for the widest part.
+struct Scratch {
+  Scratch(int64_t channels, int64_t tokens)
+      : x(tokens * channels), hl(channels), dv(channels), lo(channels), hi(channels), u(channels), v(channels) {}
+  std::vector<float> x, hl, dv, lo, hi;
+  std::vector<uint8_t> u, v;
+};
+
+// One unit of one part; false (nothing useful written) when its input is not finite.
+template <typename D>
+bool encode_unit(const EncodeJob<D>& job, int64_t unit, Scratch& s) {
   using Word = typename D::Word;
+  const Part& p = job.p;
+  const Word* rows = job.rows;
+  uint8_t* residual = job.residual;
   const int64_t C = p.channels;
   const int bits = static_cast<int>(p.bits);
   const int rbits = p.rbits();
   const float levels = static_cast<float>((1 << bits) - 1);
   const bool fine = !p.exact;
-  Word* mins = reinterpret_cast<Word*>(anchor);
-  Word* scales = reinterpret_cast<Word*>(anchor + p.scales_offset);
-  uint8_t* codes = anchor + p.codes_offset;
+  Word* mins = reinterpret_cast<Word*>(job.anchor);
+  Word* scales = reinterpret_cast<Word*>(job.anchor + p.scales_offset);
+  uint8_t* codes = job.anchor + p.codes_offset;
   const int64_t anchor_row = C * bits / 8;
   const int64_t fine_row = C * rbits / 8;
-  const int64_t units = p.per_channel ? (p.n + p.key_block - 1) / p.key_block : p.n;
-  const int64_t tokens_per_unit = p.per_channel ? p.key_block : 1;
-  bool bad = false;
-#pragma omp parallel num_threads(p.threads) reduction(|| : bad)
+  const int64_t tokens_per_unit = lynx_codec::tokens_per_unit(p);
+  std::vector<float>&x = s.x, &hl = s.hl, &dv = s.dv, &lo = s.lo, &hi = s.hi;
+  std::vector<uint8_t>&u = s.u, &v = s.v;
+  const int64_t first = unit * tokens_per_unit;
+  const int64_t count = std::min(tokens_per_unit, p.n - first);
+  uint32_t flags = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const Word* src = rows + p.row(first + i) * C;
+    float* dst = x.data() + i * C;
+    for (int64_t c = 0; c < C; ++c) {
+      dst[c] = D::to_float(src[c]);
+      flags |= D::non_finite(src[c]);
+    }
+    if (p.exact) std::memcpy(reinterpret_cast<Word*>(residual) + (first + i) * C, src, C * sizeof(Word));
+  }
+  if (flags) return false;
+  if (p.per_channel) {
+    std::memcpy(lo.data(), x.data(), C * sizeof(float));
+    std::memcpy(hi.data(), x.data(), C * sizeof(float));
+    for (int64_t i = 1; i < count; ++i) {
+      const float* row = x.data() + i * C;
+      for (int64_t c = 0; c < C; ++c) {
+        lo[c] = row[c] < lo[c] ? row[c] : lo[c];
+        hi[c] = row[c] > hi[c] ? row[c] : hi[c];
+      }
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      GroupParams<D> g = group_params<D>(lo[c], hi[c], levels);
+      mins[unit * C + c] = g.min_word;
+      scales[unit * C + c] = g.scale_word;
+      hl[c] = g.half_lo;
+      dv[c] = g.divisor;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      quantize(x.data() + i * C, hl.data(), dv.data(), C, levels, rbits, fine, u.data(), v.data());
+      pack_bits(bits, u.data(), C, codes + (first + i) * anchor_row);
+      if (fine) pack_bits(rbits, v.data(), C, residual + (first + i) * fine_row);
+    }
+  } else {
+    const int64_t G = p.group_size;
+    const int64_t groups = C / G;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x.data() + g * G;
+      typedef float Lanes __attribute__((vector_size(32)));
+      Lanes l8, h8;
+      std::memcpy(&l8, xg, sizeof(Lanes));
+      h8 = l8;
+      for (int64_t j = 8; j < G; j += 8) {
+        Lanes val;
+        std::memcpy(&val, xg + j, sizeof(Lanes));
+        l8 = val < l8 ? val : l8;
+        h8 = val > h8 ? val : h8;
+      }
+      float l = l8[0], h = h8[0];
+      for (int k = 1; k < 8; ++k) {
+        l = l8[k] < l ? l8[k] : l;
+        h = h8[k] > h ? h8[k] : h;
+      }
+      GroupParams<D> gp = group_params<D>(l, h, levels);
+      mins[unit * groups + g] = gp.min_word;
+      scales[unit * groups + g] = gp.scale_word;
+      std::fill_n(hl.data() + g * G, G, gp.half_lo);
+      std::fill_n(dv.data() + g * G, G, gp.divisor);
+    }
+    quantize(x.data(), hl.data(), dv.data(), C, levels, rbits, fine, u.data(), v.data());
+    pack_bits(bits, u.data(), C, codes + unit * anchor_row);
+    if (fine) pack_bits(rbits, v.data(), C, residual + unit * fine_row);
+  }
+  return true;
+}
+
+// Encode several parts in one parallel region; per part, whether all its input was finite.
+template <typename D>
+std::vector<bool> encode_parts(const std::vector<EncodeJob<D>>& jobs, int threads) {
+  const WorkItems items(jobs);
+  std::vector<uint8_t> finite(jobs.size(), 1);
+#pragma omp parallel num_threads(threads)
   {
-    std::vector<float> x(tokens_per_unit * C), hl(C), dv(C), lo(C), hi(C);
-    std::vector<uint8_t> u(C), v(C);
+    Scratch scratch(items.channels(), items.tokens());
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t unit = 0; unit < units; ++unit) {
-      const int64_t first = unit * tokens_per_unit;
-      const int64_t count = std::min(tokens_per_unit, p.n - first);
-      uint32_t flags = 0;
-      for (int64_t i = 0; i < count; ++i) {
-        const Word* src = rows + p.row(first + i) * C;
-        float* dst = x.data() + i * C;
-        for (int64_t c = 0; c < C; ++c) {
-          dst[c] = D::to_float(src[c]);
-          flags |= D::non_finite(src[c]);
-        }
-        if (p.exact) std::memcpy(reinterpret_cast<Word*>(residual) + (first + i) * C, src, C * sizeof(Word));
-      }
-      if (flags) {
-        bad = true;
-        continue;
-      }
-      if (p.per_channel) {
-        std::memcpy(lo.data(), x.data(), C * sizeof(float));
-        std::memcpy(hi.data(), x.data(), C * sizeof(float));
-        for (int64_t i = 1; i < count; ++i) {
-          const float* row = x.data() + i * C;
-          for (int64_t c = 0; c < C; ++c) {
-            lo[c] = row[c] < lo[c] ? row[c] : lo[c];
-            hi[c] = row[c] > hi[c] ? row[c] : hi[c];
-          }
-        }
-        for (int64_t c = 0; c < C; ++c) {
-          GroupParams<D> g = group_params<D>(lo[c], hi[c], levels);
-          mins[unit * C + c] = g.min_word;
-          scales[unit * C + c] = g.scale_word;
-          hl[c] = g.half_lo;
-          dv[c] = g.divisor;
-        }
-        for (int64_t i = 0; i < count; ++i) {
-          quantize(x.data() + i * C, hl.data(), dv.data(), C, levels, rbits, fine, u.data(), v.data());
-          pack_bits(bits, u.data(), C, codes + (first + i) * anchor_row);
-          if (fine) pack_bits(rbits, v.data(), C, residual + (first + i) * fine_row);
-        }
-      } else {
-        const int64_t G = p.group_size;
-        const int64_t groups = C / G;
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* xg = x.data() + g * G;
-          typedef float Lanes __attribute__((vector_size(32)));
-          Lanes l8, h8;
-          std::memcpy(&l8, xg, sizeof(Lanes));
-          h8 = l8;
-          for (int64_t j = 8; j < G; j += 8) {
-            Lanes val;
-            std::memcpy(&val, xg + j, sizeof(Lanes));
-            l8 = val < l8 ? val : l8;
-            h8 = val > h8 ? val : h8;
-          }
-          float l = l8[0], h = h8[0];
-          for (int k = 1; k < 8; ++k) {
-            l = l8[k] < l ? l8[k] : l;
-            h = h8[k] > h ? h8[k] : h;
-          }
-          GroupParams<D> gp = group_params<D>(l, h, levels);
-          mins[unit * groups + g] = gp.min_word;
-          scales[unit * groups + g] = gp.scale_word;
-          std::fill_n(hl.data() + g * G, G, gp.half_lo);
-          std::fill_n(dv.data() + g * G, G, gp.divisor);
-        }
-        quantize(x.data(), hl.data(), dv.data(), C, levels, rbits, fine, u.data(), v.data());
-        pack_bits(bits, u.data(), C, codes + unit * anchor_row);
-        if (fine) pack_bits(rbits, v.data(), C, residual + unit * fine_row);
+    for (int64_t item = 0; item < items.total(); ++item) {
+      const auto [part, unit] = items.at(item);
+      if (!encode_unit(jobs[part], unit, scratch)) {
+#pragma omp atomic write
+        finite[part] = 0;
       }
     }
   }
-  return !bad;
+  return std::vector<bool>(finite.begin(), finite.end());
 }
 
 template <typename D>
-void decode_impl(const Part& p, const uint8_t* anchor, const uint8_t* residual, typename D::Word* rows) {
+struct DecodeJob {
+  Part p;
+  const uint8_t* anchor;
+  const uint8_t* residual;  // nullptr: Anchor only
+  typename D::Word* rows;
+};
+
+template <typename D>
+void decode_unit(const DecodeJob<D>& job, int64_t unit, Scratch& s) {
   using Word = typename D::Word;
+  const Part& p = job.p;
+  const uint8_t* residual = job.residual;
+  Word* rows = job.rows;
   const int64_t C = p.channels;
   const int bits = static_cast<int>(p.bits);
   const int rbits = p.rbits();
-  const Word* mins = reinterpret_cast<const Word*>(anchor);
-  const Word* scales = reinterpret_cast<const Word*>(anchor + p.scales_offset);
-  const uint8_t* codes = anchor + p.codes_offset;
+  const Word* mins = reinterpret_cast<const Word*>(job.anchor);
+  const Word* scales = reinterpret_cast<const Word*>(job.anchor + p.scales_offset);
+  const uint8_t* codes = job.anchor + p.codes_offset;
   const int64_t anchor_row = C * bits / 8;
   const int64_t fine_row = C * rbits / 8;
-  const int64_t units = p.per_channel ? (p.n + p.key_block - 1) / p.key_block : p.n;
-  const int64_t tokens_per_unit = p.per_channel ? p.key_block : 1;
+  const int64_t tokens_per_unit = lynx_codec::tokens_per_unit(p);
   const float finite_max = D::max();
   const float fine_step = 1.0f / static_cast<float>(1 << rbits);
   const int32_t centre = 1 << (rbits - 1);
   const int64_t G = p.per_channel ? 1 : p.group_size;
-#pragma omp parallel num_threads(p.threads)
+  std::vector<float>&w = s.x, &hs = s.hi, &hl = s.hl;
+  std::vector<uint8_t>&u = s.u, &v = s.v;
+  const int64_t first = unit * tokens_per_unit;
+  const int64_t count = std::min(tokens_per_unit, p.n - first);
+  if (residual && p.exact) {
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(rows + p.row(first + i) * C, reinterpret_cast<const Word*>(residual) + (first + i) * C,
+                  C * sizeof(Word));
+    return;
+  }
+  // Per-channel: one factor per channel for the whole block; per token: one per group.
+  const int64_t params_at = p.per_channel ? unit * C : unit * (C / G);
+  const int64_t nparams = p.per_channel ? C : C / G;
+  for (int64_t g = 0; g < nparams; ++g) {
+    hs[g] = D::to_float(scales[params_at + g]) * 0.5f;
+    hl[g] = D::to_float(mins[params_at + g]) * 0.5f;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t token = first + i;
+    unpack_bits(bits, codes + token * anchor_row, C, u.data());
+    if (residual) {
+      unpack_bits(rbits, residual + token * fine_row, C, v.data());
+      for (int64_t c = 0; c < C; ++c)
+        w[c] = static_cast<float>((static_cast<int32_t>(u[c]) << rbits) + v[c] - centre) * fine_step;
+    } else {
+      for (int64_t c = 0; c < C; ++c) w[c] = static_cast<float>(u[c]);
+    }
+    Word* dst = rows + p.row(token) * C;
+    if (p.per_channel) {
+      for (int64_t c = 0; c < C; ++c) {
+        float y = (w[c] * hs[c] + hl[c]) * 2.0f;
+        y = y < -finite_max ? -finite_max : y;
+        y = y > finite_max ? finite_max : y;
+        dst[c] = D::from_float(y);
+      }
+    } else {
+      for (int64_t g = 0; g < C / G; ++g) {
+        const float s = hs[g], m = hl[g];
+        for (int64_t j = 0; j < G; ++j) {
+          float y = (w[g * G + j] * s + m) * 2.0f;
+          y = y < -finite_max ? -finite_max : y;
+          y = y > finite_max ? finite_max : y;
+          dst[g * G + j] = D::from_float(y);
+        }
+      }
+    }
+  }
+}
+
+template <typename D>
+void decode_parts(const std::vector<DecodeJob<D>>& jobs, int threads) {
+  const WorkItems items(jobs);
+#pragma omp parallel num_threads(threads)
   {
-    std::vector<float> w(C), hs(C), hl(C);
-    std::vector<uint8_t> u(C), v(C);
+    Scratch scratch(items.channels(), 1);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t unit = 0; unit < units; ++unit) {
-      const int64_t first = unit * tokens_per_unit;
-      const int64_t count = std::min(tokens_per_unit, p.n - first);
-      if (residual && p.exact) {
-        for (int64_t i = 0; i < count; ++i)
-          std::memcpy(rows + p.row(first + i) * C, reinterpret_cast<const Word*>(residual) + (first + i) * C,
-                      C * sizeof(Word));
-        continue;
-      }
-      // Per-channel: one factor per channel for the whole block; per token: one per group.
-      const int64_t params_at = p.per_channel ? unit * C : unit * (C / G);
-      const int64_t nparams = p.per_channel ? C : C / G;
-      for (int64_t g = 0; g < nparams; ++g) {
-        hs[g] = D::to_float(scales[params_at + g]) * 0.5f;
-        hl[g] = D::to_float(mins[params_at + g]) * 0.5f;
-      }
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t token = first + i;
-        unpack_bits(bits, codes + token * anchor_row, C, u.data());
-        if (residual) {
-          unpack_bits(rbits, residual + token * fine_row, C, v.data());
-          for (int64_t c = 0; c < C; ++c)
-            w[c] = static_cast<float>((static_cast<int32_t>(u[c]) << rbits) + v[c] - centre) * fine_step;
-        } else {
-          for (int64_t c = 0; c < C; ++c) w[c] = static_cast<float>(u[c]);
-        }
-        Word* dst = rows + p.row(token) * C;
-        if (p.per_channel) {
-          for (int64_t c = 0; c < C; ++c) {
-            float y = (w[c] * hs[c] + hl[c]) * 2.0f;
-            y = y < -finite_max ? -finite_max : y;
-            y = y > finite_max ? finite_max : y;
-            dst[c] = D::from_float(y);
-          }
-        } else {
-          for (int64_t g = 0; g < C / G; ++g) {
-            const float s = hs[g], m = hl[g];
-            for (int64_t j = 0; j < G; ++j) {
-              float y = (w[g * G + j] * s + m) * 2.0f;
-              y = y < -finite_max ? -finite_max : y;
-              y = y > finite_max ? finite_max : y;
-              dst[g * G + j] = D::from_float(y);
-            }
-          }
-        }
-      }
+    for (int64_t item = 0; item < items.total(); ++item) {
+      const auto [part, unit] = items.at(item);
+      decode_unit(jobs[part], unit, scratch);
     }
   }
 }
