@@ -199,3 +199,34 @@ def test_segment_in_one_region_matches_reference_and_locates_non_finite(monkeypa
         messages.append(str(err.value))
     assert messages[0] == messages[1]
     assert "layer 1 values" in messages[1] and "slot 30" in messages[1]
+
+
+def test_build_failure_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog) -> None:
+    from torch.utils import cpp_extension
+
+    def fail(**_: object) -> None:
+        raise RuntimeError("no compiler here")
+
+    config = CodecConfig()
+    pool = _pool("normal", 8, 64, torch.bfloat16, seed=9)
+    layout = part_layout(8, 64, "value", config, torch.bfloat16)
+    expect_anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
+    expect_residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
+    encode_part(pool, "value", config, expect_anchor, expect_residual)
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
+    cpp_backend._build.cache_clear()
+    try:
+        for _ in range(2):
+            anchor = torch.empty_like(expect_anchor)
+            residual = torch.empty_like(expect_residual)
+            backend.encode_rows(pool, None, "value", config, anchor, residual)
+            assert torch.equal(anchor, expect_anchor) and torch.equal(residual, expect_residual)
+        warnings = [r for r in caplog.records if "did not build" in r.getMessage()]
+        assert len(warnings) == 1 and "no compiler here" in warnings[0].getMessage()
+        monkeypatch.setenv(backend.BACKEND_ENV, "cpp")
+        with pytest.raises(cpp_backend.NativeBuildError, match="no compiler here"):
+            backend.encode_rows(pool, None, "value", config, anchor, residual)
+    finally:
+        cpp_backend._build.cache_clear()
