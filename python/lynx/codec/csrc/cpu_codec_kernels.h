@@ -1,8 +1,8 @@
-// Kernels of the fused CPU codec, free of torch so they compile in seconds on their own.
-// The math and byte layout are those of format.py, float32 operations in exactly its
-// order; built with -ffp-contract=off and without -ffast-math so every operation rounds as
-// in the torch reference. Loops are written so that GCC vectorises them (selects instead
-// of fminf, 8 lanes per reduction).
+// Kernels of the fused CPU codec, free of torch (bindings in cpu_codec.cpp). The math and
+// byte layout are those of format.py, float32 operations in exactly its order; built with
+// -ffp-contract=off and without -ffast-math so every operation rounds as in the torch
+// reference. The quantize step is AVX2 intrinsics, packing BMI2; the other loops are
+// written for GCC's vectoriser (selects rather than fminf, whose zero/NaN rules differ).
 #pragma once
 
 #if !defined(__AVX2__) || !defined(__BMI2__)
@@ -17,7 +17,6 @@
 #include <vector>
 
 namespace lynx_codec {
-
 
 inline float bits_to_float(uint32_t u) {
   float f;
