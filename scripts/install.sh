@@ -25,8 +25,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.lynx-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e ".[cpu,models,test,bench]"
+    # This host's pip config lists local indexes that lack most packages; pip warns once per
+    # package about each of them. Drop only those lines, keep every other message.
+    {
+        .venv/bin/python -m pip install -q --upgrade pip
+        .venv/bin/python -m pip install -q -e ".[cpu,models,test,bench]"
+    } 2> >(grep -v "^WARNING: Location 'file://" >&2)
     touch "$stamp"
 fi
 .venv/bin/python -c "import sglang, mooncake.engine, lynx_patches" \
