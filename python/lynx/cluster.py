@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,7 +141,9 @@ class ServerConfig:
         return [*argv, *self.extra_args]
 
 
-def _wait_until(ready: Any, processes: Sequence[ManagedProcess], timeout_s: float, what: str) -> None:
+def _wait_until(
+    ready: Callable[[], bool], processes: Sequence[ManagedProcess], timeout_s: float, what: str
+) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         for proc in processes:
@@ -322,10 +324,10 @@ class PDCluster(_Group):
         return self.start()
 
 
-def start_together(groups: Sequence[_Group]) -> None:
+def start_together(groups: Sequence[SingleServer | PDCluster]) -> None:
     """Start several servers or clusters concurrently; if one fails, stop all and re-raise."""
     with ThreadPoolExecutor(len(groups)) as pool:
-        futures = [pool.submit(group.start) for group in groups]  # type: ignore[attr-defined]
+        futures = [pool.submit(group.start) for group in groups]
         errors = [future.exception() for future in futures]
     failed = [error for error in errors if error is not None]
     if failed:

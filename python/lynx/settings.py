@@ -3,8 +3,8 @@
 The launcher parses ``--lynx*`` flags into :class:`LynxSettings`; SGLang's scheduler and
 detokenizer run in spawned subprocesses that rebuild ``ServerArgs`` from dataclass
 fields only, so the settings travel in the environment variable :data:`SETTINGS_ENV`
-(JSON), which subprocesses inherit.  Prefill and decode compare the settings that shape
-the bytes on the wire (:meth:`LynxSettings.wire_fields`) before pairing.
+(JSON), which subprocesses inherit.  The bytes a peer must agree on are the codec's
+handshake (:meth:`lynx.codec.CodecConfig.to_wire`, from :meth:`LynxSettings.codec_config`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from lynx.codec import CodecConfig, CodecInputError
 from lynx.codec.format import KeyLayout
@@ -79,10 +79,6 @@ class LynxSettings:
 
     def codec_config(self) -> CodecConfig:
         return CodecConfig(**{field: getattr(self, field) for field in CODEC_FIELDS})
-
-    def wire_fields(self) -> dict[str, Any]:
-        """The settings both sides of a transfer must agree on to decode each other's bytes."""
-        return {"mode": self.mode, **{field: getattr(self, field) for field in CODEC_FIELDS}}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
