@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,10 +35,35 @@ class ClusterError(RuntimeError):
     """A server did not come up, or died; the message carries the end of its log."""
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A currently free TCP port below the kernel's ephemeral range.
+
+    Port 0 would hand out an ephemeral port, which the servers' own outgoing sockets
+    (ZMQ, Mooncake, HTTP clients) may take before the server binds it.
+    """
+    low = max(_ephemeral_low(), 10500)
+    for _ in range(1000):
+        port = random.randrange(10000, low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise ClusterError(f"no free TCP port in 10000..{low}")
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -83,6 +109,10 @@ class ManagedProcess:
             raise ClusterError(
                 f"{self.name} exited (code {code}); log {self.log_path}:\n{_tail(self.log_path)}"
             )
+        # uvicorn logs a failed bind and then waits forever instead of exiting.
+        tail = _tail(self.log_path, 20)
+        if "error while attempting to bind" in tail:
+            raise ClusterError(f"{self.name} could not bind its port; log {self.log_path}:\n{tail}")
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.process is None:

@@ -57,6 +57,7 @@ class LynxSettings:
     max_speculative_tokens: int = 32
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
+    buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,6 +73,8 @@ class LynxSettings:
             )
         if self.lane_chunk_bytes < 4096:
             raise LynxSettingsError(f"--lynx-lane-chunk-bytes must be >= 4096, got {self.lane_chunk_bytes}")
+        if self.buffer_bytes < 0:
+            raise LynxSettingsError(f"--lynx-buffer-bytes must be >= 0, got {self.buffer_bytes}")
         if not self.transfer_deadline_s > 0:
             raise LynxSettingsError(
                 f"--lynx-transfer-deadline must be > 0 seconds, got {self.transfer_deadline_s}"
@@ -131,6 +134,11 @@ def check_server_compatibility(
         raise LynxSettingsError(
             "--lynx needs a prefill/decode disaggregated server: pass "
             f"--disaggregation-mode prefill or decode (got {disaggregation_mode!r})"
+        )
+    if settings.mode == "speculative":
+        raise LynxSettingsError(
+            "--lynx-mode speculative is not available yet (it needs the speculative "
+            "decode path); use --lynx-mode full or anchor-only"
         )
     if transfer_backend not in TRANSFER_BACKENDS:
         raise LynxSettingsError(

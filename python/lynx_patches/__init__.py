@@ -9,7 +9,11 @@ its top; together they are every upstream symbol Lynx touches:
 * :mod:`lynx_patches.internal_state` -- Lynx settings in ``/server_info``.
 * :mod:`lynx_patches.sgl_kernel` -- pure-torch stand-ins for the two CPU ops of
   ``sgl_kernel`` (CPU engine only).
-* :mod:`lynx_patches.disaggregation_prefill` -- CPU-engine guard on the early prefix send.
+* :mod:`lynx_patches.disaggregation_utils` -- Lynx's Mooncake manager, sender and
+  receiver (:mod:`lynx_patches.lynx_mooncake`) in place of upstream's with ``--lynx``.
+* :mod:`lynx_patches.disaggregation_prefill` / :mod:`lynx_patches.disaggregation_decode`
+  -- hand the KV pool to Lynx's sender / receiver; CPU-engine guard on the early prefix
+  send.
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
 
@@ -19,8 +23,10 @@ platform), because upstream PD serving cannot start on a CPU without them.
 """
 
 from lynx_patches import (
+    disaggregation_decode,
     disaggregation_mooncake_conn,
     disaggregation_prefill,
+    disaggregation_utils,
     internal_state,
     server_args,
     sgl_kernel,
@@ -35,6 +41,8 @@ def register() -> None:
         sgl_kernel.install()
     server_args.register()
     internal_state.register()
+    disaggregation_utils.register()
+    disaggregation_prefill.register()
+    disaggregation_decode.register()
     if is_cpu_engine():
-        disaggregation_prefill.register()
         disaggregation_mooncake_conn.register()

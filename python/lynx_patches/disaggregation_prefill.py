@@ -1,8 +1,11 @@
-"""CPU-engine guard on the prefill side of PD disaggregation.
+"""The prefill side of PD disaggregation: Lynx's sender meets the KV pool; a CPU guard.
 
-Hook targets (``sglang.srt.`` omitted; registered on the CPU engine only):
+Hook targets (``sglang.srt.`` omitted):
+* ``disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager`` AROUND: after upstream
+  built the KV manager (a ``LynxKVManager`` with ``--lynx``), hand it the KV pool Lynx
+  encodes from and whose size sizes the send buffer.
 * ``disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk``
-  AROUND: under the overlap scheduler this optional early send of a cached prefix
+  AROUND (CPU engine only): under the overlap scheduler this optional early send of a cached prefix
   records a ``torch.cuda.Event`` to order the send after the previous forward; there is
   no CUDA on the CPU engine, so the prefix is sent with the final chunk instead (which
   upstream documents as always covering it).
@@ -12,9 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from lynx_patches._hooks import hook
+from lynx_patches._hooks import hook, is_cpu_engine
+from lynx_patches.disaggregation_decode import attach_pool
 
-TARGET = "disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk"
+INIT_KV_MANAGER = "disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
+EARLY_PREFIX_SEND = (
+    "disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk"
+)
 
 
 def _skip_early_send_under_overlap(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -24,4 +31,6 @@ def _skip_early_send_under_overlap(original: Any, scheduler: Any, *args: Any, **
 
 
 def register() -> None:
-    hook(TARGET, _skip_early_send_under_overlap, "around")
+    hook(INIT_KV_MANAGER, attach_pool, "around")
+    if is_cpu_engine():
+        hook(EARLY_PREFIX_SEND, _skip_early_send_under_overlap, "around")

@@ -44,6 +44,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_speculative_tokens": (int, "Most tokens a request may hold back before its Residual lands."),
     "lane_chunk_bytes": (settings.parse_size, "Residual chunk size on the low-priority lane (e.g. 1MiB)."),
     "transfer_deadline_s": (float, "Seconds a request's KV transfer may take before it fails."),
+    "buffer_bytes": (
+        settings.parse_size,
+        "Lynx send (prefill) / receive (decode) buffer; requests wait when it is full. "
+        "0: room for every KV pool row at once.",
+    ),
 }
 
 
@@ -123,10 +128,6 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
     settings.publish(lynx_settings)
     if lynx_settings is not None:
         logger.info("Lynx on: %s", lynx_settings.to_json())
-        logger.warning(
-            "Lynx: settings validated and handed to the scheduler; the Anchor/Residual "
-            "transfer path is not built yet, so KV still travels as the upstream copy"
-        )
     return server_args
 
 

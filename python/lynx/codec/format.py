@@ -80,6 +80,8 @@ _CONFIG_MAGIC = b"LXC"
 _LAYOUT_MAGIC = b"LXL"
 _CONFIG_STRUCT = struct.Struct("<3sBBHBBH")
 _LAYOUT_STRUCT = struct.Struct("<3sBHHHB")
+CONFIG_WIRE_NBYTES = _CONFIG_STRUCT.size
+LAYOUT_WIRE_NBYTES = _LAYOUT_STRUCT.size
 
 Residual = Literal["int8", "exact"]
 KeyLayout = Literal["per_channel", "per_token"]
@@ -139,7 +141,7 @@ class CodecConfig:
         return 8 - self.anchor_bits
 
     def to_wire(self) -> bytes:
-        """Handshake bytes: magic, WIRE_VERSION and every setting (10 bytes)."""
+        """Handshake bytes: magic, WIRE_VERSION and every setting (11 bytes)."""
         return _CONFIG_STRUCT.pack(
             _CONFIG_MAGIC,
             WIRE_VERSION,
@@ -154,7 +156,7 @@ class CodecConfig:
     def from_wire(cls, data: bytes) -> CodecConfig:
         """Parse ``to_wire()`` bytes; raise WireMismatchError for another version/format."""
         if len(data) != _CONFIG_STRUCT.size:
-            raise WireMismatchError(f"codec settings are {len(data)} bytes, expected 10")
+            raise WireMismatchError(f"codec settings are {len(data)} bytes, expected {CONFIG_WIRE_NBYTES}")
         magic, version, bits, group, residual, key_layout, key_block = _CONFIG_STRUCT.unpack(data)
         if magic != _CONFIG_MAGIC:
             raise WireMismatchError(f"not Lynx codec settings (magic {magic!r})")
@@ -211,7 +213,7 @@ class KVLayout:
         return self.num_kv_heads * self.head_dim
 
     def to_wire(self) -> bytes:
-        """Handshake bytes: magic, WIRE_VERSION, layers, heads, head_dim, dtype (10 bytes)."""
+        """Handshake bytes: magic, WIRE_VERSION, layers, heads, head_dim, dtype (11 bytes)."""
         return _LAYOUT_STRUCT.pack(
             _LAYOUT_MAGIC,
             WIRE_VERSION,
@@ -224,7 +226,7 @@ class KVLayout:
     @classmethod
     def from_wire(cls, data: bytes) -> KVLayout:
         if len(data) != _LAYOUT_STRUCT.size:
-            raise WireMismatchError(f"KV layout is {len(data)} bytes, expected 10")
+            raise WireMismatchError(f"KV layout is {len(data)} bytes, expected {LAYOUT_WIRE_NBYTES}")
         magic, version, layers, heads, head_dim, dtype = _LAYOUT_STRUCT.unpack(data)
         if magic != _LAYOUT_MAGIC:
             raise WireMismatchError(f"not a Lynx KV layout (magic {magic!r})")

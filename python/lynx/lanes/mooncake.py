@@ -60,6 +60,15 @@ class MooncakeBackend:
             raise TransferBackendError(f"TransferEngine.initialize({host!r}) returned {rc}")
         self._session_id = f"{host}:{self._engine.get_rpc_port()}"
 
+    @classmethod
+    def attach(cls, engine: object, session_id: str) -> MooncakeBackend:
+        """Drive an engine someone else initialised (SGLang's, whose session id peers
+        already know), instead of starting a second one."""
+        backend = cls.__new__(cls)
+        backend._engine = engine
+        backend._session_id = session_id
+        return backend
+
     @property
     def session_id(self) -> str:
         return self._session_id

@@ -1,0 +1,50 @@
+"""Lynx's KV transfer between a prefill and a decode server, engine-agnostic.
+
+* :mod:`lynx.transfer.protocol` -- the control messages and the per-request byte layout
+  (the one place both sides agree on);
+* :class:`ProgressiveSender` -- prefill: encode, send the Anchor on HIGH, the Residual on
+  LOW, report what landed;
+* :class:`ProgressiveReceiver` -- decode: receive space, what landed, decode into the KV
+  pool; :mod:`lynx.transfer.receive` holds its per-request state machine.
+"""
+
+from lynx.transfer.arena import ArenaError, ByteArena
+from lynx.transfer.protocol import (
+    PROTOCOL_VERSION,
+    SEGMENT_TOKENS,
+    Handshake,
+    Notice,
+    NoticeKind,
+    Offer,
+    ProtocolError,
+    RequestLayout,
+    Stream,
+)
+from lynx.transfer.receive import RECEIVE_TRANSITIONS, ReceiveState, ReceiveTracker, Upstream, Verdict
+from lynx.transfer.receiver import ProgressiveReceiver, ReceiverStats, RoomReport
+from lynx.transfer.sender import ProgressiveSender, SenderStats, page_slots
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "RECEIVE_TRANSITIONS",
+    "SEGMENT_TOKENS",
+    "ArenaError",
+    "ByteArena",
+    "Handshake",
+    "Notice",
+    "NoticeKind",
+    "Offer",
+    "ProgressiveReceiver",
+    "ProgressiveSender",
+    "ProtocolError",
+    "ReceiveState",
+    "ReceiveTracker",
+    "ReceiverStats",
+    "RequestLayout",
+    "RoomReport",
+    "SenderStats",
+    "Stream",
+    "Upstream",
+    "Verdict",
+    "page_slots",
+]

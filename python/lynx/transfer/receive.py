@@ -1,0 +1,156 @@
+"""Decode-side state of one request's Lynx transfer, and when it may be decoded.
+
+Upstream's receiver reports ``Success`` once prefill's aux data (the first output token)
+has landed. With Lynx that is not enough: the KV arrives on Lynx's own lanes, and the
+request is ready only once the bytes its mode needs have landed. ``ReceiveTracker`` holds
+what decode has heard about the request; :meth:`ReceiveTracker.verdict` combines it with
+upstream's status into the one answer the scheduler's poll needs.
+
+States (``RECEIVE_TRANSITIONS`` is the whole machine, pinned by a test)::
+
+    WAITING_SPACE -> OFFERED -> ACCEPTED -> ANCHOR_READY -> COMPLETE
+          \\______________\\___________\\____________\\--> FAILED
+
+``WAITING_SPACE``: no receive space free yet, the metadata message is held back (the
+request waits, it does not fail). ``OFFERED``: metadata and offer are out. ``ACCEPTED``:
+prefill agreed on the settings. ``ANCHOR_READY``/``COMPLETE``: the Anchor / both streams
+landed. A request is decoded once upstream says ``Success`` and it reached
+``ANCHOR_READY`` (modes that start on the Anchor) or ``COMPLETE`` (``full``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from lynx.transfer.protocol import Handshake, Mode, Notice, NoticeKind, ProtocolError, Stream, parse_handshake
+
+
+class ReceiveState(enum.Enum):
+    WAITING_SPACE = "waiting_space"
+    OFFERED = "offered"
+    ACCEPTED = "accepted"
+    ANCHOR_READY = "anchor_ready"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+RECEIVE_TRANSITIONS: dict[ReceiveState, frozenset[ReceiveState]] = {
+    ReceiveState.WAITING_SPACE: frozenset({ReceiveState.OFFERED, ReceiveState.FAILED}),
+    ReceiveState.OFFERED: frozenset({ReceiveState.ACCEPTED, ReceiveState.FAILED}),
+    ReceiveState.ACCEPTED: frozenset({ReceiveState.ANCHOR_READY, ReceiveState.FAILED}),
+    ReceiveState.ANCHOR_READY: frozenset({ReceiveState.COMPLETE, ReceiveState.FAILED}),
+    ReceiveState.COMPLETE: frozenset(),
+    ReceiveState.FAILED: frozenset(),
+}
+
+
+class Upstream(enum.Enum):
+    """What upstream's own receiver says, reduced to what matters here."""
+
+    PENDING = "pending"
+    SUCCESS = "success"  # aux data (first token) landed
+    FAILED = "failed"
+
+
+class Verdict(enum.Enum):
+    WAIT = "wait"
+    DECODE = "decode"
+    FAIL = "fail"
+
+
+@dataclass
+class ReceiveTracker:
+    """One request's Lynx receive state. Fed by the ZMQ thread, read by the scheduler."""
+
+    room: int
+    mode: Mode
+    local: Handshake
+    deadline_s: float
+    state: ReceiveState = ReceiveState.WAITING_SPACE
+    error: str | None = None
+    landed: dict[Stream, int] = field(default_factory=dict)  # stream -> bytes
+    offered_at: float | None = None
+    landed_at: dict[Stream, float] = field(default_factory=dict)
+    upstream_success_at: float | None = None
+
+    def move(self, state: ReceiveState) -> None:
+        if state not in RECEIVE_TRANSITIONS[self.state]:
+            raise ValueError(f"room {self.room}: Lynx receive state {self.state.value} -> {state.value}")
+        self.state = state
+
+    def fail(self, reason: str) -> None:
+        if self.state not in (ReceiveState.FAILED, ReceiveState.COMPLETE):
+            self.error = reason
+            self.state = ReceiveState.FAILED
+
+    def offered(self, now: float | None = None) -> None:
+        self.move(ReceiveState.OFFERED)
+        self.offered_at = time.monotonic() if now is None else now
+
+    def on_notice(self, notice: Notice, peer: str, now: float | None = None) -> None:
+        """Apply a prefill notice. ``peer`` names the prefill in error messages."""
+        now = time.monotonic() if now is None else now
+        if self.state in (ReceiveState.FAILED, ReceiveState.COMPLETE):
+            return
+        if notice.kind is NoticeKind.REJECT:
+            self.fail(f"prefill {peer} refused the Lynx transfer: {notice.text}")
+        elif notice.kind is NoticeKind.ACCEPT:
+            try:
+                theirs = parse_handshake(notice.handshake)
+            except ProtocolError as exc:
+                self.fail(f"prefill {peer} sent a Lynx handshake this server cannot read: {exc}")
+                return
+            mismatch = self.local.mismatch(theirs, this="this decode server", other=f"prefill {peer}")
+            if mismatch is not None:
+                self.fail(mismatch)
+            elif self.state is ReceiveState.OFFERED:
+                self.move(ReceiveState.ACCEPTED)
+        elif notice.kind is NoticeKind.LANDED:
+            if not notice.ok:
+                name = "Anchor" if notice.stream is Stream.ANCHOR else "Residual"
+                self.fail(f"prefill {peer} could not deliver the {name}: {notice.text}")
+                return
+            self.landed[notice.stream] = notice.nbytes
+            self.landed_at[notice.stream] = now
+            self._advance()
+
+    def _advance(self) -> None:
+        if self.state is ReceiveState.ACCEPTED and Stream.ANCHOR in self.landed:
+            self.move(ReceiveState.ANCHOR_READY)
+        if self.state is ReceiveState.ANCHOR_READY and (
+            Stream.RESIDUAL in self.landed or self.mode == "anchor-only"
+        ):
+            self.move(ReceiveState.COMPLETE)
+
+    def verdict(self, upstream: Upstream, now: float | None = None) -> Verdict:
+        """Whether the scheduler may decode the request now, must wait, or must fail it
+        (then :attr:`error` says why)."""
+        now = time.monotonic() if now is None else now
+        if upstream is Upstream.FAILED:
+            self.fail("the upstream KV transfer failed")
+        if self.state is ReceiveState.FAILED:
+            return Verdict.FAIL
+        if upstream is Upstream.PENDING:
+            return Verdict.WAIT
+        if self.upstream_success_at is None:
+            self.upstream_success_at = now
+        if self.state in (ReceiveState.WAITING_SPACE, ReceiveState.OFFERED):
+            self.fail(
+                "the prefill server finished the request without answering Lynx's handshake: "
+                "start it with --lynx and the same --lynx-* flags"
+            )
+            return Verdict.FAIL
+        wanted = ReceiveState.COMPLETE if self.mode == "full" else ReceiveState.ANCHOR_READY
+        order = list(RECEIVE_TRANSITIONS)
+        if order.index(self.state) >= order.index(wanted):
+            return Verdict.DECODE
+        if now - self.upstream_success_at > self.deadline_s:
+            missing = "Anchor" if Stream.ANCHOR not in self.landed else "Residual"
+            self.fail(
+                f"the {missing} did not land within {self.deadline_s:g}s of the first token "
+                "(--lynx-transfer-deadline): the prefill server stalled or the link is too slow"
+            )
+            return Verdict.FAIL
+        return Verdict.WAIT

@@ -1,0 +1,235 @@
+"""Decode side: lend each request receive space for its Anchor and Residual, follow what
+prefill reports about it, and decode the landed bytes into the request's KV pages.
+
+Threads: :meth:`ProgressiveReceiver.on_notice` runs on the server's message thread; every
+other method on the scheduler thread, which alone writes the KV pool.
+
+Receive space is reused only when no write to it can still arrive: right after decoding
+if every stream the mode sends has landed, otherwise (a failed or aborted request) once
+prefill says ``RELEASED``, or after ``quarantine_s`` if it never does (a dead prefill
+writes nothing more).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lynx.codec import decode_pages
+from lynx.transfer.arena import ByteArena
+from lynx.transfer.protocol import (
+    Handshake,
+    Notice,
+    NoticeKind,
+    Offer,
+    ProtocolError,
+    RequestLayout,
+    Stream,
+)
+from lynx.transfer.receive import ReceiveState, ReceiveTracker, Upstream, Verdict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoomReport:
+    """What one request's transfer cost, for metrics and the request's meta info."""
+
+    anchor_bytes: int
+    residual_bytes: int
+    anchor_latency_s: float | None  # offer sent -> Anchor landed
+    residual_latency_s: float | None
+
+
+@dataclass
+class ReceiverStats:
+    rooms: int
+    waiting_for_space: int
+    quarantined: int
+    buffer_bytes: int
+    buffer_used: int
+    anchor_bytes: int
+    residual_bytes: int
+
+
+@dataclass
+class _Room:
+    tracker: ReceiveTracker
+    n_tokens: int
+    peer: str  # the prefill server, for error messages
+    plan: RequestLayout | None = None
+    offset: int | None = None
+    decoded: bool = False
+    released: bool = False  # prefill said no write to this space can still arrive
+
+
+class ProgressiveReceiver:
+    def __init__(
+        self,
+        *,
+        buffer: torch.Tensor,
+        k_buffers: Sequence[torch.Tensor],
+        v_buffers: Sequence[torch.Tensor],
+        handshake: Handshake,
+        deadline_s: float,
+        quarantine_s: float | None = None,
+    ) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("the receive buffer must be a contiguous 1-D uint8 tensor")
+        self.handshake = handshake
+        self._buffer = buffer
+        self._arena = ByteArena(buffer.numel())
+        self._k, self._v = list(k_buffers), list(v_buffers)
+        self._deadline_s = deadline_s
+        self._quarantine_s = 2 * deadline_s if quarantine_s is None else quarantine_s
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self._quarantine: dict[int, tuple[int, float]] = {}  # room -> (offset, expiry)
+        self._landed_bytes = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+
+    @property
+    def mode(self) -> str:
+        return self.handshake.mode
+
+    def reserve(self, room: int, n_tokens: int, peer: str) -> Offer | None:
+        """Receive space for the request's ``n_tokens`` tokens, as the offer to send with
+        its metadata to prefill ``peer``; None while no space is free (call again later)."""
+        self._expire_quarantine()
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                tracker = ReceiveTracker(room, self.handshake.mode, self.handshake, self._deadline_s)
+                state = self._rooms[room] = _Room(tracker, n_tokens, peer)
+            if state.offset is not None:
+                raise ValueError(f"room {room} already has receive space")
+            plan = RequestLayout(self.handshake.layout, self.handshake.codec, n_tokens)
+            residual = 0 if self.mode == "anchor-only" else plan.residual_nbytes
+            offset = self._arena.allocate(plan.anchor_nbytes + residual)
+            if offset is None:
+                return None
+            state.plan, state.offset = plan, offset
+            state.tracker.offered()
+        base = self._buffer.data_ptr() + offset
+        return Offer(
+            self.handshake.to_wire(),
+            base,
+            plan.anchor_nbytes,
+            base + plan.anchor_nbytes if residual else 0,
+            residual,
+            n_tokens,
+        )
+
+    def knows(self, room: int) -> bool:
+        with self._lock:
+            return room in self._rooms
+
+    def on_notice(self, frames: list[bytes]) -> None:
+        try:
+            notice = Notice.from_frames(frames)
+        except ProtocolError as exc:
+            log.warning("Lynx: dropping a notice: %s", exc)
+            return
+        with self._lock:
+            if notice.kind is NoticeKind.RELEASED:
+                held = self._quarantine.pop(notice.room, None)
+                if held is not None:
+                    self._arena.free(held[0])
+                state = self._rooms.get(notice.room)
+                if state is not None:
+                    state.released = True
+                    state.tracker.fail(f"prefill {state.peer} gave the request up before it landed")
+                return
+            state = self._rooms.get(notice.room)
+            if state is None:
+                return
+            state.tracker.on_notice(notice, state.peer)
+            if notice.kind is NoticeKind.LANDED and notice.ok:
+                self._landed_bytes[notice.stream] += notice.nbytes
+
+    def verdict(self, room: int, upstream: Upstream) -> tuple[Verdict, str | None]:
+        """(what to do, the failure reason when FAIL)."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return Verdict.FAIL, f"no Lynx state for room {room}"
+            if state.decoded:
+                return Verdict.DECODE, None
+            verdict = state.tracker.verdict(upstream)
+            return verdict, state.tracker.error
+
+    def decode(self, room: int, slots: torch.Tensor) -> None:
+        """Write the landed bytes into the request's KV rows ``slots`` (once)."""
+        with self._lock:
+            state = self._rooms[room]
+            if state.decoded:
+                return
+            plan, offset = state.plan, state.offset
+            full = state.tracker.state is ReceiveState.COMPLETE and self.mode != "anchor-only"
+        assert plan is not None and offset is not None
+        if slots.numel() != plan.n_tokens:
+            raise ValueError(f"room {room}: {slots.numel()} KV slots for {plan.n_tokens} tokens")
+        slots = slots.to(self._k[0].device)
+        for seg in plan.segments:
+            a0 = offset + seg.anchor_offset
+            r0 = offset + plan.anchor_nbytes + seg.residual_offset
+            decode_pages(
+                self._buffer[a0 : a0 + seg.anchor_nbytes],
+                self._buffer[r0 : r0 + seg.residual_nbytes] if full else None,
+                self._k,
+                self._v,
+                slots[seg.start : seg.end],
+                self.handshake.codec,
+            )
+        with self._lock:
+            state.decoded = True
+
+    def forget(self, room: int) -> RoomReport | None:
+        """The request is done with its receive space (decoded, failed or aborted)."""
+        with self._lock:
+            state = self._rooms.pop(room, None)
+            if state is None:
+                return None
+            tracker = state.tracker
+            if state.offset is not None:
+                if tracker.state is ReceiveState.COMPLETE or state.released:
+                    self._arena.free(state.offset)
+                else:  # prefill may still write into it
+                    self._quarantine[room] = (state.offset, time.monotonic() + self._quarantine_s)
+        offered = tracker.offered_at
+
+        def latency(stream: Stream) -> float | None:
+            at = tracker.landed_at.get(stream)
+            return None if at is None or offered is None else at - offered
+
+        return RoomReport(
+            tracker.landed.get(Stream.ANCHOR, 0),
+            tracker.landed.get(Stream.RESIDUAL, 0),
+            latency(Stream.ANCHOR),
+            latency(Stream.RESIDUAL),
+        )
+
+    def stats(self) -> ReceiverStats:
+        self._expire_quarantine()
+        with self._lock:
+            return ReceiverStats(
+                rooms=len(self._rooms),
+                waiting_for_space=sum(1 for s in self._rooms.values() if s.offset is None),
+                quarantined=len(self._quarantine),
+                buffer_bytes=self._arena.capacity,
+                buffer_used=self._arena.used,
+                anchor_bytes=self._landed_bytes[Stream.ANCHOR],
+                residual_bytes=self._landed_bytes[Stream.RESIDUAL],
+            )
+
+    def _expire_quarantine(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for room, (offset, expiry) in list(self._quarantine.items()):
+                if now >= expiry:
+                    del self._quarantine[room]
+                    self._arena.free(offset)

@@ -1,0 +1,346 @@
+"""Prefill side: encode each request's KV pages into a send buffer and send the Anchor on
+the HIGH lane, the Residual on the LOW lane, to the space decode offered.
+
+The server's scheduler calls :meth:`ProgressiveSender.add_chunk` for each chunk of a
+request it would have sent as raw KV pages, and :meth:`pump` regularly; both run on the
+scheduler thread, which owns the KV pool. A chunk is encoded as soon as the request has
+send-buffer space; until then it waits (the request does not fail) and :meth:`holds_pages`
+tells the server not to free the request's KV pages. Once encoded, the bytes live in the
+send buffer and the KV pages are no longer needed.
+
+Notices to decode (``ACCEPT``/``REJECT``/``LANDED``/``RELEASED``, see
+:mod:`lynx.transfer.protocol`) go through the ``notify`` callable the server provides;
+``LANDED`` is sent from the lanes' driver thread when a stream settles, ``RELEASED`` from
+this object's reaper thread once the engine holds no more of the request's writes (only
+then is its send-buffer space reused and decode told it may reuse its receive space).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lynx.codec import CodecError, encode_pages
+from lynx.lanes import Lane, LaneConfig, LaneError, LaneScheduler, StreamState, StreamStatus, TransferBackend
+from lynx.transfer.arena import ByteArena
+from lynx.transfer.protocol import (
+    Handshake,
+    Notice,
+    NoticeKind,
+    Offer,
+    ProtocolError,
+    RequestLayout,
+    Stream,
+    parse_handshake,
+)
+
+log = logging.getLogger(__name__)
+
+Endpoint = tuple[str, int]
+_STREAM_OF_LANE = {Lane.HIGH: Stream.ANCHOR, Lane.LOW: Stream.RESIDUAL}
+
+
+def page_slots(pages: np.ndarray | torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token slots (int64, CPU) of whole pages, in page order."""
+    pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    if page_size == 1:
+        return pages_t
+    return (pages_t[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+@dataclass
+class _Room:
+    room: int
+    peer: str  # the decode engine's session id
+    endpoint: Endpoint  # where decode takes notices
+    offer: Offer
+    plan: RequestLayout
+    pending: deque[tuple[torch.Tensor, bool]] = field(default_factory=deque)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+    segments_sent: int = 0
+    offset: int | None = None  # of the request's space in the send buffer
+    lanes: tuple[Lane, ...] = (Lane.HIGH, Lane.LOW)
+    settled: set[Lane] = field(default_factory=set)
+    closed: bool = False  # last chunk encoded, or the room failed
+    failed: bool = False
+
+
+@dataclass
+class SenderStats:
+    rooms: int
+    waiting_for_space: int
+    buffer_bytes: int
+    buffer_used: int
+    anchor_bytes: int
+    residual_bytes: int
+
+
+class ProgressiveSender:
+    """See the module docstring. ``on_failure(room, reason)`` is called (on whichever
+    thread found it) when a request's Lynx transfer fails, so the server can fail it."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        buffer: torch.Tensor,
+        k_buffers: Sequence[torch.Tensor],
+        v_buffers: Sequence[torch.Tensor],
+        page_size: int,
+        handshake: Handshake,
+        lane_config: LaneConfig,
+        notify: Callable[[Endpoint, list[bytes]], None],
+        on_failure: Callable[[int, str], None],
+    ) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("the send buffer must be a contiguous 1-D uint8 tensor")
+        self.handshake = handshake
+        self._buffer = buffer
+        self._arena = ByteArena(buffer.numel())
+        self._k, self._v = list(k_buffers), list(v_buffers)
+        self._page_size = page_size
+        self._notify = notify
+        self._on_failure = on_failure
+        self._lock = threading.RLock()
+        self._rooms: dict[int, _Room] = {}
+        self._releasing: set[int] = set()
+        self._sent = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        self._lanes = LaneScheduler(backend, lane_config, on_settled=self._on_settled)
+        self._lanes.register_source(buffer.data_ptr(), buffer.numel())
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="lynx-sender-reaper", daemon=True)
+        self._reaper.start()
+
+    # ---- pairing (bootstrap thread) ---------------------------------------------------------
+
+    def answer_offer(self, room: int, offer_bytes: bytes | None, endpoint: Endpoint) -> Offer | str:
+        """Check decode's offer for ``room`` and tell decode ACCEPT or REJECT. Returns the
+        offer, or why it was refused. ``offer_bytes`` None: decode runs without Lynx (it
+        gets no notice, it would not understand one)."""
+        where = f"decode {endpoint[0]}:{endpoint[1]}"
+        if offer_bytes is None:
+            return (
+                f"{where} sent no Lynx offer: it runs without --lynx "
+                "(start both servers with --lynx and the same --lynx-* flags)"
+            )
+        reason = None
+        try:
+            offer = Offer.from_wire(offer_bytes)
+            theirs = parse_handshake(offer.handshake)
+            reason = self.handshake.mismatch(theirs, this="this prefill server", other=where)
+        except ProtocolError as exc:
+            reason = f"cannot read the decode server's Lynx offer: {exc}"
+        if reason is not None:
+            log.error("Lynx: refusing room %s: %s", room, reason)
+            self._notify(endpoint, Notice(NoticeKind.REJECT, room, text=reason).to_frames())
+            return reason
+        self._notify(
+            endpoint, Notice(NoticeKind.ACCEPT, room, handshake=self.handshake.to_wire()).to_frames()
+        )
+        return offer
+
+    # ---- scheduler thread -------------------------------------------------------------------
+
+    def add_chunk(
+        self, room: int, peer: str, endpoint: Endpoint, offer: Offer, pages: np.ndarray, last: bool
+    ) -> None:
+        """Queue the request's next chunk (prefill page ids, in order) and pump."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                plan = RequestLayout(self.handshake.layout, self.handshake.codec, offer.n_tokens)
+                if (offer.anchor_nbytes, offer.residual_nbytes) != (
+                    plan.anchor_nbytes,
+                    plan.residual_nbytes if self.handshake.mode != "anchor-only" else 0,
+                ):
+                    self._fail(
+                        room,
+                        f"decode offered {offer.anchor_nbytes}+{offer.residual_nbytes} bytes "
+                        f"for {offer.n_tokens} tokens, this side needs "
+                        f"{plan.anchor_nbytes}+{plan.residual_nbytes}",
+                    )
+                    return
+                lanes = (Lane.HIGH,) if self.handshake.mode == "anchor-only" else (Lane.HIGH, Lane.LOW)
+                state = _Room(room, peer, endpoint, offer, plan, lanes=lanes)
+                self._rooms[room] = state
+            if state.closed:
+                return
+            state.pending.append((page_slots(pages, self._page_size), last))
+        self.pump()
+
+    def pump(self) -> None:
+        """Encode and send every queued chunk whose request has (or now gets) space."""
+        with self._lock:
+            for state in list(self._rooms.values()):
+                if state.pending and not state.closed:
+                    if state.offset is None and not self._start(state):
+                        return  # first come, first served: later requests wait too
+                    self._encode_pending(state)
+
+    def holds_pages(self, room: int) -> bool:
+        """True while some of the request's chunks are not encoded yet."""
+        with self._lock:
+            state = self._rooms.get(room)
+            return state is not None and not state.closed and bool(state.pending)
+
+    def abort(self, room: int, reason: str = "aborted") -> None:
+        """Stop the request's transfer (any thread); its space is reused once the engine
+        holds none of its writes."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None or (state.closed and len(state.settled) == len(state.lanes)):
+                return
+            state.closed = state.failed = True
+            state.pending.clear()
+            if state.offset is None:
+                del self._rooms[room]
+                return
+        self._lanes.abort(str(room))
+        log.info("Lynx: room %s aborted (%s)", room, reason)
+
+    def stats(self) -> SenderStats:
+        with self._lock:
+            return SenderStats(
+                rooms=len(self._rooms),
+                waiting_for_space=sum(1 for s in self._rooms.values() if s.offset is None),
+                buffer_bytes=self._arena.capacity,
+                buffer_used=self._arena.used,
+                anchor_bytes=self._sent[Stream.ANCHOR],
+                residual_bytes=self._sent[Stream.RESIDUAL],
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reaper.join(timeout=5)
+        self._lanes.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _start(self, state: _Room) -> bool:
+        plan = state.plan
+        offset = self._arena.allocate(plan.anchor_nbytes + plan.residual_nbytes)
+        if offset is None:
+            return False
+        state.offset = offset
+        self._lanes.register_destination(str(state.room), state.peer, state.offer.spans(), lanes=state.lanes)
+        return True
+
+    def _encode_pending(self, state: _Room) -> None:
+        assert state.offset is not None
+        plan = state.plan
+        submitted: list[tuple[Lane, list[tuple[int, int, int]], bool]] = []
+        while state.pending:
+            slots, last = state.pending.popleft()
+            state.slots.append(slots)
+            state.tokens += slots.numel()
+            ready = plan.ready(state.tokens, last=last)[state.segments_sent :]
+            if last and state.tokens < plan.n_tokens:
+                self._fail(state.room, f"prefill sent {state.tokens} tokens, decode expects {plan.n_tokens}")
+                return
+            if not ready and not last:
+                continue
+            all_slots = torch.cat(state.slots)[: plan.n_tokens].to(self._buffer.device)
+            base = self._buffer.data_ptr() + state.offset
+            anchor_writes, residual_writes = [], []
+            try:
+                for seg in ready:
+                    a0 = state.offset + seg.anchor_offset
+                    r0 = state.offset + plan.anchor_nbytes + seg.residual_offset
+                    encode_pages(
+                        self._k,
+                        self._v,
+                        all_slots[seg.start : seg.end],
+                        self.handshake.codec,
+                        self._buffer[a0 : a0 + seg.anchor_nbytes],
+                        self._buffer[r0 : r0 + seg.residual_nbytes],
+                    )
+                    anchor_writes.append(
+                        (
+                            base + seg.anchor_offset,
+                            state.offer.anchor_addr + seg.anchor_offset,
+                            seg.anchor_nbytes,
+                        )
+                    )
+                    residual_writes.append(
+                        (
+                            base + plan.anchor_nbytes + seg.residual_offset,
+                            state.offer.residual_addr + seg.residual_offset,
+                            seg.residual_nbytes,
+                        )
+                    )
+            except CodecError as exc:
+                self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
+                return
+            state.segments_sent += len(ready)
+            submitted.append((Lane.HIGH, anchor_writes, last))
+            if Lane.LOW in state.lanes:
+                submitted.append((Lane.LOW, residual_writes, last))
+            if last:
+                state.closed = True
+        if not submitted:
+            return
+        if self._buffer.is_cuda:
+            # The lanes read the buffer from another thread: the encode must be done.
+            torch.cuda.current_stream(self._buffer.device).synchronize()
+        try:
+            for lane, writes, last in submitted:
+                self._lanes.submit(str(state.room), lane, writes, last=last)
+                self._sent[_STREAM_OF_LANE[lane]] += sum(w[2] for w in writes)
+        except LaneError as exc:  # the request failed or was aborted meanwhile
+            log.info("Lynx: room %s: %s", state.room, exc)
+
+    def _fail(self, room: int, reason: str) -> None:
+        log.error("Lynx: room %s failed: %s", room, reason)
+        self.abort(room, reason)
+        self._on_failure(room, reason)
+
+    def _on_settled(self, status: StreamStatus) -> None:  # lanes driver thread
+        room = int(status.request_id)
+        ok = status.state is StreamState.DONE
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            state.settled.add(status.lane)
+            endpoint = state.endpoint
+            if len(state.settled) == len(state.lanes):
+                self._releasing.add(room)
+        if status.state is not StreamState.ABORTED:
+            notice = Notice(
+                NoticeKind.LANDED,
+                room,
+                stream=_STREAM_OF_LANE[status.lane],
+                ok=ok,
+                nbytes=status.bytes_done,
+                text=status.error or "",
+            )
+            self._notify(endpoint, notice.to_frames())
+        if status.state is StreamState.FAILED:
+            self._on_failure(room, f"Lynx {status.lane.name} lane: {status.error}")
+
+    def _reap(self) -> None:
+        while not self._stop.wait(0.02):
+            with self._lock:
+                candidates = list(self._releasing)
+            for room in candidates:
+                try:
+                    self._lanes.release(str(room))
+                except LaneError:
+                    continue  # writes still in the engine: try again later
+                except KeyError:
+                    pass
+                with self._lock:
+                    self._releasing.discard(room)
+                    state = self._rooms.pop(room, None)
+                if state is None:
+                    continue
+                if state.offset is not None:
+                    self._arena.free(state.offset)
+                self._notify(state.endpoint, Notice(NoticeKind.RELEASED, room).to_frames())
