@@ -58,6 +58,10 @@ class LynxSettings:
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
     buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once
+    # Hold every Anchor / Residual write this long before sending it: a slower link on
+    # demand, for tests, demos and fault drills. 0 in production.
+    anchor_hold_s: float = 0.0
+    residual_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +77,12 @@ class LynxSettings:
             )
         if self.lane_chunk_bytes < 4096:
             raise LynxSettingsError(f"--lynx-lane-chunk-bytes must be >= 4096, got {self.lane_chunk_bytes}")
+        for hold in ("anchor_hold_s", "residual_hold_s"):
+            value = getattr(self, hold)
+            if not 0 <= value < self.transfer_deadline_s:
+                raise LynxSettingsError(
+                    f"{flag_of(hold)} must be >= 0 and below --lynx-transfer-deadline, got {value}"
+                )
         if self.buffer_bytes < 0:
             raise LynxSettingsError(f"--lynx-buffer-bytes must be >= 0, got {self.buffer_bytes}")
         if not self.transfer_deadline_s > 0:

@@ -14,6 +14,7 @@ its top; together they are every upstream symbol Lynx touches:
 * :mod:`lynx_patches.disaggregation_prefill` / :mod:`lynx_patches.disaggregation_decode`
   -- hand the KV pool to Lynx's sender / receiver; CPU-engine guard on the early prefix
   send.
+* :mod:`lynx_patches.output_streamer` -- the per-request transfer report in ``meta_info``.
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
 
@@ -28,6 +29,7 @@ from lynx_patches import (
     disaggregation_prefill,
     disaggregation_utils,
     internal_state,
+    output_streamer,
     server_args,
     sgl_kernel,
 )
@@ -44,5 +46,6 @@ def register() -> None:
     disaggregation_utils.register()
     disaggregation_prefill.register()
     disaggregation_decode.register()
+    output_streamer.register()
     if is_cpu_engine():
         disaggregation_mooncake_conn.register()

@@ -57,6 +57,7 @@ from lynx.transfer import (
     Verdict,
     page_slots,
 )
+from lynx.transfer.metrics import TransferMetrics
 from lynx.transfer.protocol import append_offer, bytes_per_token, is_notice, split_offer
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class LynxKVManager(MooncakeKVManager):
         self.lynx_settings = lynx_settings
         self.lynx_sender: ProgressiveSender | None = None
         self.lynx_receiver: ProgressiveReceiver | None = None
+        self.lynx_metrics: TransferMetrics | None = None
         # prefill: room -> (decode session, decode endpoint, offer) or the refusal reason
         self._lynx_offers: dict[int, tuple[str, tuple[str, int], Offer] | str] = {}
         # decode: room -> offer to append to the metadata message being built
@@ -133,8 +135,11 @@ class LynxKVManager(MooncakeKVManager):
                 ),
                 notify=self._lynx_notify,
                 on_failure=self._lynx_fail_room,
+                hold_s=(self.lynx_settings.anchor_hold_s, self.lynx_settings.residual_hold_s),
             )
         else:
+            if getattr(self.server_args, "enable_metrics", False):
+                self.lynx_metrics = TransferMetrics({"engine_rank": str(self.kv_args.engine_rank)})
             self.engine.register(buffer.data_ptr(), nbytes)
             self.lynx_receiver = ProgressiveReceiver(
                 buffer=buffer,
@@ -357,12 +362,16 @@ class LynxKVReceiver(MooncakeKVReceiver):
                 logger.error("Lynx: room %s failed: %s", room, reason)
                 self._lynx_fail(reason or "transfer failed")
                 self.ensure_abort_notified()
+            if self.kv_mgr.lynx_metrics is not None:
+                self.kv_mgr.lynx_metrics.failed()
             receiver.forget(room)
             return KVPoll.Failed
         assert self._lynx_slots is not None
         receiver.decode(room, self._lynx_slots)
         self._lynx_decoded = True
         self.lynx_report = receiver.forget(room)
+        if self.lynx_report is not None and self.kv_mgr.lynx_metrics is not None:
+            self.kv_mgr.lynx_metrics.observe(self.lynx_report)
         return status
 
     def abort(self) -> None:

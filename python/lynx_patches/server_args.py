@@ -49,6 +49,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
         "Lynx send (prefill) / receive (decode) buffer; requests wait when it is full. "
         "0: room for every KV pool row at once.",
     ),
+    "anchor_hold_s": (float, "Prefill: hold each Anchor write this many seconds (emulates a slow link)."),
+    "residual_hold_s": (float, "Prefill: hold each Residual write this many seconds (emulates a slow link)."),
 }
 
 

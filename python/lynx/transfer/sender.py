@@ -13,12 +13,14 @@ Notices to decode (``ACCEPT``/``REJECT``/``LANDED``/``RELEASED``, see
 ``LANDED`` is sent from the lanes' driver thread when a stream settles, ``RELEASED`` from
 this object's reaper thread once the engine holds no more of the request's writes (only
 then is its send-buffer space reused and decode told it may reuse its receive space).
+The reaper thread also submits writes held back on purpose (``hold_s``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +100,7 @@ class ProgressiveSender:
         lane_config: LaneConfig,
         notify: Callable[[Endpoint, list[bytes]], None],
         on_failure: Callable[[int, str], None],
+        hold_s: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("the send buffer must be a contiguous 1-D uint8 tensor")
@@ -112,6 +115,11 @@ class ProgressiveSender:
         self._rooms: dict[int, _Room] = {}
         self._releasing: set[int] = set()
         self._sent = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        self._hold_s = {Lane.HIGH: hold_s[0], Lane.LOW: hold_s[1]}
+        # writes held back on purpose (hold_s): (due, room, lane, writes, last), in due order
+        self._held: dict[Lane, deque[tuple[float, int, Lane, list[tuple[int, int, int]], bool]]] = {
+            lane: deque() for lane in Lane
+        }
         self._lanes = LaneScheduler(backend, lane_config, on_settled=self._on_settled)
         self._lanes.register_source(buffer.data_ptr(), buffer.numel())
         self._stop = threading.Event()
@@ -289,12 +297,30 @@ class ProgressiveSender:
         if self._buffer.is_cuda:
             # The lanes read the buffer from another thread: the encode must be done.
             torch.cuda.current_stream(self._buffer.device).synchronize()
+        now = time.monotonic()
+        for lane, writes, last in submitted:
+            if self._hold_s[lane] > 0:
+                self._held[lane].append((now + self._hold_s[lane], state.room, lane, writes, last))
+            else:
+                self._submit(state.room, lane, writes, last)
+
+    def _submit(self, room: int, lane: Lane, writes: list[tuple[int, int, int]], last: bool) -> None:
         try:
-            for lane, writes, last in submitted:
-                self._lanes.submit(str(state.room), lane, writes, last=last)
-                self._sent[_STREAM_OF_LANE[lane]] += sum(w[2] for w in writes)
-        except LaneError as exc:  # the request failed or was aborted meanwhile
-            log.info("Lynx: room %s: %s", state.room, exc)
+            self._lanes.submit(str(room), lane, writes, last=last)
+        except (LaneError, KeyError) as exc:  # the request failed or was aborted meanwhile
+            log.info("Lynx: room %s: %s", room, exc)
+            return
+        self._sent[_STREAM_OF_LANE[lane]] += sum(w[2] for w in writes)
+
+    def _submit_due(self) -> None:
+        now = time.monotonic()
+        for held in self._held.values():
+            while True:
+                with self._lock:
+                    if not held or held[0][0] > now:
+                        break
+                    _, room, lane, writes, last = held.popleft()
+                self._submit(room, lane, writes, last)
 
     def _fail(self, room: int, reason: str) -> None:
         log.error("Lynx: room %s failed: %s", room, reason)
@@ -327,6 +353,7 @@ class ProgressiveSender:
 
     def _reap(self) -> None:
         while not self._stop.wait(0.02):
+            self._submit_due()
             with self._lock:
                 candidates = list(self._releasing)
             for room in candidates:

@@ -1,0 +1,47 @@
+"""Per-request transfer metrics in Prometheus (``--enable-metrics``), decode side.
+
+Created in the scheduler process after the server set up Prometheus' multi-process
+directory, so the server's ``/metrics`` endpoint collects them with its own.
+"""
+
+from __future__ import annotations
+
+from lynx.transfer.receiver import RoomReport
+
+_BYTE_BUCKETS = tuple(float(1 << n) for n in range(12, 34, 2))  # 4 KiB .. 8 GiB
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class TransferMetrics:
+    def __init__(self, labels: dict[str, str]) -> None:
+        from prometheus_client import Counter, Histogram  # after PROMETHEUS_MULTIPROC_DIR is set
+
+        names = sorted(labels)
+        self._labels = labels
+
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, text, labelnames=names, buckets=buckets)
+
+        self.anchor_bytes = histogram("lynx_anchor_bytes", "Anchor bytes received per request", _BYTE_BUCKETS)
+        self.residual_bytes = histogram(
+            "lynx_residual_bytes", "Residual bytes received per request", _BYTE_BUCKETS
+        )
+        self.anchor_latency = histogram(
+            "lynx_anchor_latency_seconds", "Receive space offered -> Anchor landed", _LATENCY_BUCKETS
+        )
+        self.residual_latency = histogram(
+            "lynx_residual_latency_seconds", "Receive space offered -> Residual landed", _LATENCY_BUCKETS
+        )
+        self.failures = Counter("lynx_transfer_failures", "Requests whose Lynx transfer failed", names)
+
+    def observe(self, report: RoomReport) -> None:
+        labels = self._labels
+        self.anchor_bytes.labels(**labels).observe(report.anchor_bytes)
+        self.residual_bytes.labels(**labels).observe(report.residual_bytes)
+        if report.anchor_latency_s is not None:
+            self.anchor_latency.labels(**labels).observe(report.anchor_latency_s)
+        if report.residual_latency_s is not None:
+            self.residual_latency.labels(**labels).observe(report.residual_latency_s)
+
+    def failed(self) -> None:
+        self.failures.labels(**self._labels).inc()
