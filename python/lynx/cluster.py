@@ -151,16 +151,21 @@ class ServerConfig:
     threads_per_server: int | None = 1
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    host: str = HOST
+    # Prepended to the server command, e.g. ("ip", "netns", "exec", "lynx-a") to run it in
+    # a network namespace behind a rate-limited link (scripts/netlink.sh).
+    launcher: Sequence[str] = ()
 
     def base_argv(self, port: int) -> list[str]:
         argv = [
+            *self.launcher,
             sys.executable,
             "-m",
             "sglang.launch_server",
             "--model-path",
             str(self.model_path),
             "--host",
-            HOST,
+            self.host,
             "--port",
             str(port),
             "--max-total-tokens",
@@ -232,7 +237,7 @@ class SingleServer(_Group):
         super().__init__()
         self.config = config
         self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
+        self.url = f"http://{config.host}:{self.port}"
         self._argv = [*config.base_argv(self.port), *args]
         self._env = server_env(
             cpu=config.cpu, threads=config.threads_per_server, extra={**config.env, **(env or {})}

@@ -44,7 +44,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
 from lynx import settings
-from lynx.codec import CodecError, kv_layout_of
+from lynx.codec import CodecError, cpp_backend, kv_layout_of
 from lynx.lanes import LaneConfig
 from lynx.lanes.mooncake import MooncakeBackend
 from lynx.transfer import (
@@ -116,6 +116,8 @@ class LynxKVManager(MooncakeKVManager):
             bytes_per_token(layout, handshake.codec)  # checks group_size against head_dim
         except CodecError as exc:
             raise LynxConfigError(f"--lynx cannot encode this KV pool: {exc}") from exc
+        if k[0].device.type == "cpu":
+            cpp_backend.available()  # build or load the C++ codec now, not on the first request
         rows = k[0].shape[0]
         nbytes = _buffer_bytes(rows, handshake, self.lynx_settings.buffer_bytes)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=k[0].device)

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.e2e
 
 # Small chunks make prefill send several chunks per request, as long prompts do.
 CHUNK = ["--chunked-prefill-size", "128"]
-LYNX = ["--lynx", "--lynx-anchor-bits", "3", "--lynx-group-size", "64"]
+# The exact residual: Lynx's full mode must then answer exactly what plain BF16 serving does.
+LYNX = ["--lynx", "--lynx-anchor-bits", "3", "--lynx-group-size", "64", "--lynx-residual", "exact"]
 PROMPTS = [
     "Hello",
     "The capital of France is",
@@ -105,12 +106,14 @@ def test_demo_chat_helper_measures_ttft(servers: dict) -> None:
     assert 0 < result.ttft_s <= result.total_s
 
 
-def test_pd_greedy_output_equals_single_server(servers: dict) -> None:
+def test_lynx_pd_greedy_output_equals_single_server(servers: dict) -> None:
     for prompt in PROMPTS:
         pd = generate(servers["pd"].url, prompt)
         single = generate(servers["plugin"].url, prompt)
         assert pd["output_ids"] == single["output_ids"], prompt[:40]
         assert len(pd["output_ids"]) == 24
+        report = pd["meta_info"]["lynx_transfer"][0]  # the KV really came through Lynx
+        assert report["anchor_bytes"] > 0 and report["residual_bytes"] > 0
 
 
 def test_server_without_lynx_behaves_like_upstream(servers: dict) -> None:

@@ -29,4 +29,15 @@ for name, argv in cases.items():
         "retraction_backup": args.disaggregation_decode_retraction_backup,
         "host_ip": os.environ.get("SGLANG_HOST_IP"),
     }
+
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class  # noqa: E402
+
+from lynx.settings import LynxSettings  # noqa: E402
+
+kinds = {"manager": KVClassType.MANAGER, "sender": KVClassType.SENDER, "receiver": KVClassType.RECEIVER}
+for label, settings_json in (("kv_classes_plain", None), ("kv_classes_lynx", LynxSettings().to_json())):
+    os.environ.pop("LYNX_SETTINGS", None)
+    if settings_json is not None:
+        os.environ["LYNX_SETTINGS"] = settings_json
+    results[label] = {k: get_kv_class(TransferBackend.MOONCAKE, t).__name__ for k, t in kinds.items()}
 print("PROBE-RESULT " + json.dumps(results))

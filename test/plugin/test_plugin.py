@@ -29,6 +29,9 @@ LYNX_FLAGS = [
     "--lynx-max-speculative-tokens",
     "--lynx-lane-chunk-bytes",
     "--lynx-transfer-deadline",
+    "--lynx-buffer-bytes",
+    "--lynx-anchor-hold",
+    "--lynx-residual-hold",
 ]
 
 
@@ -67,6 +70,16 @@ def probe(tiny_model: Path) -> dict:
         ],
         "bits_5": [*model, *pd, "--disaggregation-mode", "decode", "--lynx", "--lynx-anchor-bits", "5"],
         "option_without_lynx": [*model, *pd, "--disaggregation-mode", "decode", "--lynx-residual", "exact"],
+        "speculative": [*model, *pd, "--disaggregation-mode", "decode", "--lynx", "--lynx-mode=speculative"],
+        "hold_past_deadline": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "prefill",
+            "--lynx",
+            "--lynx-residual-hold",
+            "90",
+        ],
         "decode_host_pool": [
             *model,
             *pd,
@@ -91,19 +104,40 @@ def probe(tiny_model: Path) -> dict:
 def test_every_hook_target_was_applied(probe: dict) -> None:
     # HookRegistry logs and skips a target it cannot resolve; after a SGLang bump that
     # would silently switch Lynx off, so each target must show up as patched.
+    import lynx_patches.disaggregation_decode as decode
     import lynx_patches.disaggregation_mooncake_conn as mooncake_conn
     import lynx_patches.disaggregation_prefill as prefill
+    import lynx_patches.disaggregation_utils as utils
     import lynx_patches.internal_state as internal_state
+    import lynx_patches.output_streamer as output_streamer
     import lynx_patches.server_args as server_args
 
     expected = {
         server_args.ADD_CLI_ARGS,
         server_args.FROM_CLI_ARGS,
         internal_state.TARGET,
-        prefill.TARGET,
+        utils.TARGET,
+        prefill.INIT_KV_MANAGER,
+        prefill.EARLY_PREFIX_SEND,
+        decode.INIT_KV_MANAGER,
+        decode.COMMIT,
+        output_streamer.TARGET,
         mooncake_conn.TARGET,
     }
     assert {"sglang.srt." + t for t in expected} <= set(probe["patched"])
+
+
+def test_lynx_swaps_in_its_mooncake_classes_only_with_lynx(probe: dict) -> None:
+    assert probe["kv_classes_plain"] == {
+        "manager": "MooncakeKVManager",
+        "sender": "MooncakeKVSender",
+        "receiver": "MooncakeKVReceiver",
+    }
+    assert probe["kv_classes_lynx"] == {
+        "manager": "LynxKVManager",
+        "sender": "LynxKVSender",
+        "receiver": "LynxKVReceiver",
+    }
 
 
 def test_lynx_settings_are_published(probe: dict) -> None:
@@ -133,6 +167,8 @@ def test_cpu_engine_pd_defaults(probe: dict) -> None:
         ("bits_5", "--lynx-anchor-bits must be 2, 3 or 4"),
         ("option_without_lynx", "--lynx-residual given without --lynx"),
         ("decode_host_pool", "use cpu_tensor"),
+        ("speculative", "--lynx-mode speculative is not available yet"),
+        ("hold_past_deadline", "--lynx-residual-hold must be >= 0 and below --lynx-transfer-deadline"),
     ],
 )
 def test_bad_combinations_are_refused(probe: dict, case: str, message: str) -> None:

@@ -1,7 +1,7 @@
 """The fused C++ CPU codec (``csrc/cpu_codec.cpp``): compiled with
-``torch.utils.cpp_extension.load`` at first use (cached under ``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``), one pass per part, the same bytes as
-``reference.py``.
+``torch.utils.cpp_extension.load`` at first use (cached under
+``$TORCH_EXTENSIONS_DIR/lynx/``, default ``~/.cache/torch_extensions/lynx/``; a cached
+build is imported directly), one pass per part, the same bytes as ``reference.py``.
 
 ``-ffp-contract=off`` and no ``-ffast-math``: every float32 operation rounds as torch's.
 ``-march=native``: the build is for the host it runs on (the cache is per host); it needs
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +35,19 @@ class NativeBuildError(RuntimeError):
     """The C++ codec could not be compiled or loaded on this host."""
 
 
+def _build_dir(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / "lynx" / name
+
+
+def _import_built(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None
+    extension = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extension)
+    return extension
+
+
 @functools.cache
 def _build() -> ModuleType | BaseException:
     from torch.utils import cpp_extension
@@ -42,12 +57,21 @@ def _build() -> ModuleType | BaseException:
     digest = hashlib.sha256(" ".join(_CFLAGS).encode())
     for source in _SOURCES:
         digest.update(source.read_bytes())
+    name = f"lynx_cpu_codec_{digest.hexdigest()[:16]}"
+    build_dir = _build_dir(name)
+    library = build_dir / f"{name}.so"
     try:
+        if library.exists():
+            # Built before: import it, rather than have every server process take torch's
+            # build lock and run ninja at start-up.
+            return _import_built(name, library)
+        build_dir.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
-            name=f"lynx_cpu_codec_{digest.hexdigest()[:16]}",
+            name=name,
             sources=[str(_SOURCES[0])],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
         )
     except Exception as err:  # a compiler or linker failure surfaces as several types
         log.warning("lynx C++ CPU codec did not build, using the torch reference: %s", err)

