@@ -78,6 +78,10 @@ def _buffer_bytes(pool_rows: int, handshake: Handshake, requested: int) -> int:
 
 
 class LynxKVManager(MooncakeKVManager):
+    # Failure reasons travel with prefill's status messages (upstream's decode parses the
+    # optional frame), so a decode server without Lynx shows why Lynx refused the request.
+    kv_status_msg_carries_reason = True
+
     def __init__(
         self,
         args: Any,
