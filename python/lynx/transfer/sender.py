@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 _STREAM_OF_LANE = {Lane.HIGH: Stream.ANCHOR, Lane.LOW: Stream.RESIDUAL}
+_ENDED_KEPT = 1 << 16  # failed or aborted rooms remembered, so that their late chunks are dropped
 
 
 def page_slots(pages: np.ndarray | torch.Tensor, page_size: int) -> torch.Tensor:
@@ -111,6 +112,7 @@ class ProgressiveSender:
         self._lock = threading.RLock()
         self._rooms: dict[int, _Room] = {}
         self._releasing: set[int] = set()
+        self._ended: OrderedDict[int, None] = OrderedDict()
         self._sent = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
         self._lanes = LaneScheduler(backend, lane_config, on_settled=self._on_settled)
         self._lanes.register_source(buffer.data_ptr(), buffer.numel())
@@ -153,6 +155,8 @@ class ProgressiveSender:
     ) -> None:
         """Queue the request's next chunk (prefill page ids, in order) and pump."""
         with self._lock:
+            if room in self._ended:
+                return  # its space on decode may already serve another request
             state = self._rooms.get(room)
             if state is None:
                 plan = RequestLayout(self.handshake.layout, self.handshake.codec, offer.n_tokens)
@@ -194,6 +198,7 @@ class ProgressiveSender:
         """Stop the request's transfer (any thread); its space is reused once the engine
         holds none of its writes."""
         with self._lock:
+            self._end(room)
             state = self._rooms.get(room)
             if state is None or (state.closed and len(state.settled) == len(state.lanes)):
                 return
@@ -312,6 +317,11 @@ class ProgressiveSender:
             endpoint = state.endpoint
             if len(state.settled) == len(state.lanes):
                 self._releasing.add(room)
+            failed = status.state is StreamState.FAILED and not state.failed
+            if failed:  # the lanes fail every stream of the room: report it once
+                state.closed = state.failed = True
+                state.pending.clear()
+                self._end(room)
         if status.state is not StreamState.ABORTED:
             notice = Notice(
                 NoticeKind.LANDED,
@@ -322,8 +332,16 @@ class ProgressiveSender:
                 text=status.error or "",
             )
             self._notify(endpoint, notice.to_frames())
-        if status.state is StreamState.FAILED:
+        if failed:
             self._on_failure(room, f"Lynx {status.lane.name} lane: {status.error}")
+
+    def _end(self, room: int) -> None:
+        """Remember (lock held) that ``room`` was given up: a later chunk of it must not
+        start a new transfer into receive space decode may have reused."""
+        self._ended[room] = None
+        self._ended.move_to_end(room)
+        if len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     def _reap(self) -> None:
         while not self._stop.wait(0.02):
