@@ -315,8 +315,7 @@ class ProgressiveSender:
                 return
             state.settled.add(status.lane)
             endpoint = state.endpoint
-            if len(state.settled) == len(state.lanes):
-                self._releasing.add(room)
+            all_settled = len(state.settled) == len(state.lanes)
             failed = status.state is StreamState.FAILED and not state.failed
             if failed:  # the lanes fail every stream of the room: report it once
                 state.closed = state.failed = True
@@ -332,6 +331,9 @@ class ProgressiveSender:
                 text=status.error or "",
             )
             self._notify(endpoint, notice.to_frames())
+        if all_settled:  # only now: RELEASED must not overtake this LANDED
+            with self._lock:
+                self._releasing.add(room)
         if failed:
             self._on_failure(room, f"Lynx {status.lane.name} lane: {status.error}")
 
