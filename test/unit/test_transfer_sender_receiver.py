@@ -481,6 +481,19 @@ def test_a_full_send_buffer_makes_the_next_request_wait(pairs: Callable[..., Pai
     assert_rows_equal(pair.decode_rows(dst), want)
 
 
+def test_a_request_larger_than_the_send_buffer_fails_instead_of_blocking(pairs: Callable[..., Pair]) -> None:
+    small = request_nbytes(Handshake("full", CodecConfig(), LAYOUT), n_tokens=256)
+    pair = pairs(send_bytes=small)
+    big, fits = pair.offer(1), pair.offer(2, n_tokens=256)
+    pair.send(1, big, pair.pages(seed=21), [600])
+    assert len(pair.failures) == 1
+    room, reason = pair.failures[0]
+    assert room == 1 and "--lynx-buffer-bytes" in reason
+    assert not pair.sender.holds_pages(1)
+    pair.send(2, fits, pair.pages(seed=22, n_tokens=256), [256])  # the next request is not held up
+    pair.wait_verdict(2, Verdict.DECODE)
+
+
 def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) -> None:
     one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
     pair = pairs(recv_bytes=one + one // 2)

@@ -171,6 +171,14 @@ class ProgressiveSender:
                         f"{plan.anchor_nbytes}+{plan.residual_nbytes}",
                     )
                     return
+                need = plan.anchor_nbytes + plan.residual_nbytes
+                if ByteArena.rounded(need) > self._arena.capacity:  # it would hold up every later room
+                    self._fail(
+                        room,
+                        f"{offer.n_tokens} tokens need {need} bytes of send buffer, it has "
+                        f"{self._arena.capacity}: raise --lynx-buffer-bytes",
+                    )
+                    return
                 lanes = (Lane.HIGH,) if self.handshake.mode == "anchor-only" else (Lane.HIGH, Lane.LOW)
                 state = _Room(room, peer, endpoint, offer, plan, lanes=lanes)
                 self._rooms[room] = state
