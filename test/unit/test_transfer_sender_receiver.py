@@ -529,6 +529,18 @@ def test_verdict_of_an_unknown_room_fails(pairs: Callable[..., Pair]) -> None:
     assert not pair.receiver.knows(404)
 
 
+def test_unreadable_notices_and_unknown_rooms_are_ignored(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    pair.offer(17)
+    pair.receiver.on_notice([b"LYNX1", b"HELLO", bytes(8)])
+    pair.receiver.on_notice(Notice(NoticeKind.LANDED, 17, nbytes=5).to_frames()[:2])
+    pair.receiver.on_notice(Notice(NoticeKind.REJECT, 99, text="not yours").to_frames())
+    pair.receiver.on_notice(Notice(NoticeKind.RELEASED, 98).to_frames())
+    assert pair.receiver.verdict(17, Upstream.PENDING) == (Verdict.WAIT, None)
+    stats = pair.receiver.stats()
+    assert (stats.rooms, stats.anchor_bytes, stats.residual_bytes) == (1, 0, 0)
+
+
 # ---- failures ----------------------------------------------------------------------------------
 
 
