@@ -87,7 +87,7 @@ def test_double_free_and_unknown_offsets_raise() -> None:
     assert issubclass(ArenaError, ValueError)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.integers(1, 64).map(lambda n: n * ALIGN),
     st.lists(st.tuples(st.booleans(), st.integers(1, 20 * ALIGN), st.integers(0, 1 << 16)), max_size=60),

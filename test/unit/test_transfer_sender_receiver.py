@@ -40,6 +40,16 @@ PREFILL_ADDR = "10.0.0.1:8998"
 WAIT_S = 30.0  # how long a wait may take before the test gives up (never a pass criterion)
 
 
+@pytest.fixture(autouse=True)
+def one_codec_thread() -> Iterator[None]:
+    """The CPU codec runs on torch's thread count; on this little data, and a busy 2-core
+    host, a team of threads mostly waits on its barriers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- a fake engine -----------------------------------------------------------------------------
 
 
