@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 _STREAM_OF_LANE = {Lane.HIGH: Stream.ANCHOR, Lane.LOW: Stream.RESIDUAL}
+_ENDED_KEPT = 1 << 16  # failed or aborted rooms remembered, so that their late chunks are dropped
 
 
 def page_slots(pages: np.ndarray | torch.Tensor, page_size: int) -> torch.Tensor:
@@ -114,6 +115,7 @@ class ProgressiveSender:
         self._lock = threading.RLock()
         self._rooms: dict[int, _Room] = {}
         self._releasing: set[int] = set()
+        self._ended: OrderedDict[int, None] = OrderedDict()
         self._sent = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
         self._hold_s = {Lane.HIGH: hold_s[0], Lane.LOW: hold_s[1]}
         # writes held back on purpose (hold_s): (due, room, lane, writes, last), in due order
@@ -161,6 +163,8 @@ class ProgressiveSender:
     ) -> None:
         """Queue the request's next chunk (prefill page ids, in order) and pump."""
         with self._lock:
+            if room in self._ended:
+                return  # its space on decode may already serve another request
             state = self._rooms.get(room)
             if state is None:
                 plan = RequestLayout(self.handshake.layout, self.handshake.codec, offer.n_tokens)
@@ -173,6 +177,14 @@ class ProgressiveSender:
                         f"decode offered {offer.anchor_nbytes}+{offer.residual_nbytes} bytes "
                         f"for {offer.n_tokens} tokens, this side needs "
                         f"{plan.anchor_nbytes}+{plan.residual_nbytes}",
+                    )
+                    return
+                need = plan.anchor_nbytes + plan.residual_nbytes
+                if ByteArena.rounded(need) > self._arena.capacity:  # it would hold up every later room
+                    self._fail(
+                        room,
+                        f"{offer.n_tokens} tokens need {need} bytes of send buffer, it has "
+                        f"{self._arena.capacity}: raise --lynx-buffer-bytes",
                     )
                     return
                 lanes = (Lane.HIGH,) if self.handshake.mode == "anchor-only" else (Lane.HIGH, Lane.LOW)
@@ -202,6 +214,7 @@ class ProgressiveSender:
         """Stop the request's transfer (any thread); its space is reused once the engine
         holds none of its writes."""
         with self._lock:
+            self._end(room)
             state = self._rooms.get(room)
             if state is None or (state.closed and len(state.settled) == len(state.lanes)):
                 return
@@ -336,8 +349,12 @@ class ProgressiveSender:
                 return
             state.settled.add(status.lane)
             endpoint = state.endpoint
-            if len(state.settled) == len(state.lanes):
-                self._releasing.add(room)
+            all_settled = len(state.settled) == len(state.lanes)
+            failed = status.state is StreamState.FAILED and not state.failed
+            if failed:  # the lanes fail every stream of the room: report it once
+                state.closed = state.failed = True
+                state.pending.clear()
+                self._end(room)
         if status.state is not StreamState.ABORTED:
             notice = Notice(
                 NoticeKind.LANDED,
@@ -348,8 +365,19 @@ class ProgressiveSender:
                 text=status.error or "",
             )
             self._notify(endpoint, notice.to_frames())
-        if status.state is StreamState.FAILED:
+        if all_settled:  # only now: RELEASED must not overtake this LANDED
+            with self._lock:
+                self._releasing.add(room)
+        if failed:
             self._on_failure(room, f"Lynx {status.lane.name} lane: {status.error}")
+
+    def _end(self, room: int) -> None:
+        """Remember (lock held) that ``room`` was given up: a later chunk of it must not
+        start a new transfer into receive space decode may have reused."""
+        self._ended[room] = None
+        self._ended.move_to_end(room)
+        if len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     def _reap(self) -> None:
         while not self._stop.wait(0.02):

@@ -1,0 +1,397 @@
+"""Lynx's control messages (wire bytes pinned) and the per-request segment layout."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lynx.codec import CodecConfig, KVLayout, decode, decode_pages, encode, encode_pages, segment_nbytes
+from lynx.transfer import (
+    PROTOCOL_VERSION,
+    SEGMENT_TOKENS,
+    Handshake,
+    Notice,
+    NoticeKind,
+    Offer,
+    ProtocolError,
+    RequestLayout,
+    Stream,
+)
+from lynx.transfer.protocol import (
+    TAG,
+    append_offer,
+    bytes_per_token,
+    is_notice,
+    parse_handshake,
+    split_offer,
+)
+
+LAYOUT = KVLayout(4, 2, 64, torch.bfloat16)
+HANDSHAKE = Handshake("full", CodecConfig(), LAYOUT)
+# Every field away from its default, so that each one is pinned by the golden bytes.
+ODD = Handshake(
+    "anchor-only",
+    CodecConfig(anchor_bits=3, group_size=16, residual="exact", key_layout="per_token", key_block=32),
+    KVLayout(28, 4, 128, torch.float16),
+)
+ROOM = 0x0102030405060708
+ROOM_LE = "0807060504030201"
+
+
+# ---- handshake ---------------------------------------------------------------------------------
+
+
+def test_protocol_version_and_tag_are_pinned() -> None:
+    assert PROTOCOL_VERSION == 1
+    assert TAG == b"LYNX1"
+    assert SEGMENT_TOKENS == 256
+
+
+def test_handshake_wire_bytes_are_pinned() -> None:
+    assert HANDSHAKE.to_wire().hex() == (
+        "4c584853" "01" "00"  # b"LXHS", protocol v1, mode full
+        "4c5843" "01" "04" "2000" "00" "00" "1000"  # b"LXC" v1, 4 bits, group 32, int8, per_channel, 16
+        "4c584c" "01" "0400" "0200" "4000" "00"  # b"LXL" v1, 4 layers, 2 heads, head_dim 64, bf16
+    )  # fmt: skip
+    assert ODD.to_wire().hex() == (
+        "4c584853" "01" "01"  # anchor-only
+        "4c5843" "01" "03" "1000" "01" "01" "2000"  # 3 bits, group 16, exact, per_token, 32
+        "4c584c" "01" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
+    )  # fmt: skip
+    speculative = Handshake("speculative", CodecConfig(), LAYOUT).to_wire()
+    assert speculative[5] == 2
+    assert len(HANDSHAKE.to_wire()) == 28
+
+
+@pytest.mark.parametrize("handshake", [HANDSHAKE, ODD, Handshake("speculative", CodecConfig(), LAYOUT)])
+def test_handshake_round_trips(handshake: Handshake) -> None:
+    assert Handshake.from_wire(handshake.to_wire()) == handshake
+    assert parse_handshake(handshake.to_wire()) == handshake
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda w: w[:5], "too short"),
+        (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
+        (lambda w: w[:4] + bytes([2]) + w[5:], "protocol v2, this server v1"),
+        (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
+    ],
+)
+def test_handshake_from_wire_errors(mutate, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        Handshake.from_wire(mutate(HANDSHAKE.to_wire()))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda w: w[:-1],  # truncated layout
+        lambda w: w + b"\0",  # trailing byte
+        lambda w: w[:10],  # truncated codec settings
+        lambda w: w[:6] + b"LXQ" + w[9:],  # the codec's own magic
+        lambda w: w[:9] + bytes([7]) + w[10:],  # codec wire version
+        lambda w: w[:-1] + bytes([9]),  # unknown dtype code
+    ],
+)
+def test_parse_handshake_turns_codec_errors_into_protocol_errors(mutate) -> None:
+    with pytest.raises(ProtocolError):
+        parse_handshake(mutate(HANDSHAKE.to_wire()))
+
+
+def test_mismatch_names_both_sides_settings() -> None:
+    assert HANDSHAKE.mismatch(Handshake("full", CodecConfig(), LAYOUT), this="here", other="there") is None
+    peer = Handshake("full", CodecConfig(anchor_bits=2), KVLayout(4, 2, 64, torch.float16))
+    message = HANDSHAKE.mismatch(peer, this="this decode server", other="prefill p:1")
+    assert message is not None
+    assert "this decode server (mode=full anchor_bits=4 " in message
+    assert "prefill p:1 (mode=full anchor_bits=2 " in message
+    assert "kv=[4 layers x 2 heads x 64, bfloat16]" in message
+    assert "kv=[4 layers x 2 heads x 64, float16]" in message
+    assert "--lynx-*" in message
+    other_mode = Handshake("anchor-only", CodecConfig(), LAYOUT)
+    message = HANDSHAKE.mismatch(other_mode, this="a", other="b")
+    assert message is not None and "mode=full" in message and "mode=anchor-only" in message
+
+
+def test_describe_lists_every_setting() -> None:
+    assert ODD.describe() == (
+        "mode=anchor-only anchor_bits=3 group_size=16 residual=exact key_layout=per_token "
+        "key_block=32 kv=[28 layers x 4 heads x 128, float16]"
+    )
+
+
+# ---- offer -------------------------------------------------------------------------------------
+
+
+def test_offer_wire_bytes_are_pinned_and_round_trip() -> None:
+    offer = Offer(HANDSHAKE.to_wire(), 0x1000, 4096, 0x2000, 8192, 300)
+    wire = offer.to_wire()
+    assert wire.hex() == (
+        "1c00"  # handshake length 28
+        + HANDSHAKE.to_wire().hex()
+        + "0010000000000000"  # anchor address
+        + "0010000000000000"  # anchor bytes
+        + "0020000000000000"  # residual address
+        + "0020000000000000"  # residual bytes
+        + "2c01000000000000"  # tokens
+    )
+    assert Offer.from_wire(wire) == offer
+    assert offer.spans() == [(0x1000, 4096), (0x2000, 8192)]
+    anchor_only = Offer(b"hs", 0x1000, 4096, 0, 0, 300)
+    assert Offer.from_wire(anchor_only.to_wire()) == anchor_only
+    assert anchor_only.spans() == [(0x1000, 4096)]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x05",
+        struct.pack("<H", 40) + b"short",  # handshake length beyond the message
+        Offer(b"hs", 1, 2, 3, 4, 5).to_wire()[:-1],  # body truncated
+        Offer(b"hs", 1, 2, 3, 4, 5).to_wire() + b"\0",  # trailing byte
+    ],
+)
+def test_malformed_offers_raise_protocol_error(data: bytes) -> None:
+    with pytest.raises(ProtocolError, match="malformed Lynx offer"):
+        Offer.from_wire(data)
+
+
+def test_append_and_split_offer() -> None:
+    offer = Offer(HANDSHAKE.to_wire(), 64, 128, 192, 256, 10)
+    upstream = [b"42", b"10.0.0.1", b"7000", b"session"]
+    frames = append_offer(upstream, offer)
+    assert frames == [*upstream, b"LYNX1", offer.to_wire()]
+    assert upstream == [b"42", b"10.0.0.1", b"7000", b"session"]  # not mutated
+    assert split_offer(frames) == (upstream, offer.to_wire())
+    assert split_offer(upstream) == (upstream, None)
+    assert split_offer([]) == ([], None)
+    assert split_offer([b"LYNX1"]) == ([b"LYNX1"], None)
+
+
+# ---- notices -----------------------------------------------------------------------------------
+
+
+NOTICES: list[tuple[Notice, str]] = [
+    (Notice(NoticeKind.ACCEPT, ROOM, handshake=HANDSHAKE.to_wire()), ROOM_LE + HANDSHAKE.to_wire().hex()),
+    (Notice(NoticeKind.REJECT, ROOM, text="nö"), ROOM_LE + "6ec3b6"),
+    (
+        Notice(NoticeKind.LANDED, ROOM, stream=Stream.RESIDUAL, ok=False, nbytes=1234, text="boom"),
+        ROOM_LE + "01" + "00" + "d204000000000000" + b"boom".hex(),
+    ),
+    (
+        Notice(NoticeKind.LANDED, ROOM, stream=Stream.ANCHOR, ok=True, nbytes=0x0A0B0C),
+        ROOM_LE + "00" + "01" + "0c0b0a0000000000",
+    ),
+    (Notice(NoticeKind.RELEASED, ROOM), ROOM_LE),
+]
+
+
+@pytest.mark.parametrize(("notice", "payload_hex"), NOTICES)
+def test_notice_frames_are_pinned_and_round_trip(notice: Notice, payload_hex: str) -> None:
+    frames = notice.to_frames()
+    assert frames == [b"LYNX1", notice.kind.value, bytes.fromhex(payload_hex)]
+    assert is_notice(frames)
+    assert Notice.from_frames(frames) == notice
+
+
+def test_notice_kind_names_are_pinned() -> None:
+    assert {k.name: k.value for k in NoticeKind} == {
+        "ACCEPT": b"ACCEPT",
+        "REJECT": b"REJECT",
+        "LANDED": b"LANDED",
+        "RELEASED": b"RELEASED",
+    }
+    assert (int(Stream.ANCHOR), int(Stream.RESIDUAL)) == (0, 1)
+
+
+def test_is_notice() -> None:
+    assert not is_notice([])
+    assert not is_notice([b"42", b"LYNX1"])
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        ([], "not a Lynx notice"),
+        ([b"LYNX1", b"RELEASED"], "not a Lynx notice"),
+        ([b"LYNX2", b"RELEASED", bytes(8)], "not a Lynx notice"),
+        ([b"LYNX1", b"RELEASED", bytes(8), b""], "not a Lynx notice"),
+        ([b"LYNX1", b"HELLO", bytes(8)], "unknown Lynx notice"),
+        ([b"LYNX1", b"RELEASED", bytes(7)], "malformed Lynx RELEASED"),
+        ([b"LYNX1", b"ACCEPT", b""], "malformed Lynx ACCEPT"),
+        ([b"LYNX1", b"REJECT", bytes(3)], "malformed Lynx REJECT"),
+        ([b"LYNX1", b"LANDED", bytes(17)], "malformed Lynx LANDED"),
+        ([b"LYNX1", b"LANDED", struct.pack("<QBBQ", 1, 2, 1, 0)], "malformed Lynx LANDED"),  # stream 2
+        ([b"LYNX1", b"LANDED", struct.pack("<QBBQ", 1, 0, 0, 0) + b"\xff"], "malformed Lynx LANDED"),
+    ],
+)
+def test_malformed_notices_raise_protocol_error(frames: list[bytes], message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        Notice.from_frames(frames)
+
+
+# ---- request layout ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(anchor_bits=2, residual="exact")])
+@pytest.mark.parametrize("n_tokens", [1, 255, 256, 257, 600, 768])
+def test_request_layout_segments(config: CodecConfig, n_tokens: int) -> None:
+    plan = RequestLayout(LAYOUT, config, n_tokens)
+    assert plan.n_tokens == n_tokens
+    segments = plan.segments
+    assert len(segments) == -(-n_tokens // SEGMENT_TOKENS)
+    assert [s.start for s in segments] == list(range(0, n_tokens, SEGMENT_TOKENS))
+    assert all(s.end - s.start == SEGMENT_TOKENS for s in segments[:-1])
+    assert segments[-1].end == n_tokens
+    assert 0 < segments[-1].end - segments[-1].start <= SEGMENT_TOKENS
+    anchor_at = residual_at = 0
+    for s in segments:
+        assert (s.anchor_nbytes, s.residual_nbytes) == segment_nbytes(LAYOUT, s.end - s.start, config)
+        assert (s.anchor_offset, s.residual_offset) == (anchor_at, residual_at)  # back to back
+        anchor_at += s.anchor_nbytes
+        residual_at += s.residual_nbytes
+    assert (plan.anchor_nbytes, plan.residual_nbytes) == (anchor_at, residual_at)
+
+
+def test_request_layout_needs_a_token() -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        RequestLayout(LAYOUT, CodecConfig(), 0)
+
+
+def test_ready_returns_whole_segments_only_unless_last() -> None:
+    plan = RequestLayout(LAYOUT, CodecConfig(), 600)
+    first, second, third = plan.segments
+    assert plan.ready(0, last=False) == []
+    assert plan.ready(255, last=False) == []
+    assert plan.ready(256, last=False) == [first]
+    assert plan.ready(599, last=False) == [first, second]
+    assert plan.ready(600, last=False) == [first, second, third]
+    assert plan.ready(10, last=True) == [first, second, third]
+
+
+def test_bytes_per_token_is_that_of_a_full_segment() -> None:
+    anchor, residual = segment_nbytes(LAYOUT, SEGMENT_TOKENS, CodecConfig())
+    assert bytes_per_token(LAYOUT, CodecConfig()) == (anchor / SEGMENT_TOKENS, residual / SEGMENT_TOKENS)
+
+
+# ---- chunking does not change what decode gets ---------------------------------------------------
+
+ROWS = 1024
+SMALL = KVLayout(2, 2, 32, torch.bfloat16)
+
+
+@pytest.fixture
+def one_codec_thread() -> Iterator[None]:
+    """The CPU codec runs on torch's thread count; on this little data, and a busy 2-core
+    host, a team of threads mostly waits on its barriers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _pool(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (ROWS, SMALL.num_kv_heads, SMALL.head_dim)
+    k = [torch.randn(shape, generator=gen).to(SMALL.dtype) for _ in range(SMALL.num_layers)]
+    v = [torch.randn(shape, generator=gen).to(SMALL.dtype) for _ in range(SMALL.num_layers)]
+    return k, v
+
+
+def _encode_in_chunks(
+    k: list[torch.Tensor],
+    v: list[torch.Tensor],
+    slots: torch.Tensor,
+    config: CodecConfig,
+    chunks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the sender does: encode each segment once the chunks received so far cover it."""
+    plan = RequestLayout(SMALL, config, slots.numel())
+    anchor = torch.zeros(plan.anchor_nbytes, dtype=torch.uint8)
+    residual = torch.zeros(plan.residual_nbytes, dtype=torch.uint8)
+    tokens = sent = 0
+    for i, size in enumerate(chunks):
+        tokens += size
+        ready = plan.ready(tokens, last=i == len(chunks) - 1)[sent:]
+        for seg in ready:
+            encode_pages(
+                k,
+                v,
+                slots[seg.start : seg.end],
+                config,
+                anchor[seg.anchor_offset : seg.anchor_offset + seg.anchor_nbytes],
+                residual[seg.residual_offset : seg.residual_offset + seg.residual_nbytes],
+            )
+        sent += len(ready)
+    assert sent == len(plan.segments)
+    return anchor, residual
+
+
+def _decode_request(
+    anchor: torch.Tensor, residual: torch.Tensor | None, config: CodecConfig, n_tokens: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    plan = RequestLayout(SMALL, config, n_tokens)
+    k, v = _pool(seed=99)
+    dst = torch.arange(n_tokens, dtype=torch.int64)
+    for seg in plan.segments:
+        decode_pages(
+            anchor[seg.anchor_offset : seg.anchor_offset + seg.anchor_nbytes],
+            None
+            if residual is None
+            else residual[seg.residual_offset : seg.residual_offset + seg.residual_nbytes],
+            k,
+            v,
+            dst[seg.start : seg.end],
+            config,
+        )
+    return [t[:n_tokens] for t in k], [t[:n_tokens] for t in v]
+
+
+@st.composite
+def chunkings(draw: st.DrawFn) -> tuple[int, list[int], int, int]:
+    n_tokens = draw(st.integers(1, 700))
+    cuts = sorted(draw(st.sets(st.integers(1, n_tokens - 1), max_size=6))) if n_tokens > 1 else []
+    bounds = [0, *cuts, n_tokens]
+    key_block = draw(st.sampled_from([2, 4, 16, 64, 256]))
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    return n_tokens, sizes, key_block, draw(st.integers(0, 99))
+
+
+@settings(max_examples=12, deadline=None)
+@given(chunkings())
+@pytest.mark.usefixtures("one_codec_thread")
+def test_decoded_kv_does_not_depend_on_how_prefill_chunked(case: tuple[int, list[int], int, int]) -> None:
+    n_tokens, chunks, key_block, seed = case
+    config = CodecConfig(key_layout="per_channel", key_block=key_block, group_size=16)
+    assert SEGMENT_TOKENS % key_block == 0
+    k, v = _pool(seed)
+    slots = torch.randperm(ROWS, generator=torch.Generator().manual_seed(seed))[:n_tokens]
+    one_shot = _encode_in_chunks(k, v, slots, config, [n_tokens])
+    chunked = _encode_in_chunks(k, v, slots, config, chunks)
+    assert torch.equal(chunked[0], one_shot[0]) and torch.equal(chunked[1], one_shot[1])
+    for residual in (None, chunked[1]):
+        got_k, got_v = _decode_request(chunked[0], residual, config, n_tokens)
+        # The codec's tensor API on each segment's gathered rows is the reference.
+        for seg in RequestLayout(SMALL, config, n_tokens).segments:
+            rows = slots[seg.start : seg.end]
+            for kind, pool, got in (("key", k, got_k), ("value", v, got_v)):
+                for layer in range(SMALL.num_layers):
+                    part = pool[layer][rows]
+                    enc = encode(part, config, kind=kind)
+                    expect = decode(
+                        enc.anchor,
+                        None if residual is None else enc.residual,
+                        config=config,
+                        shape=part.shape,
+                        dtype=part.dtype,
+                        kind=kind,
+                    )
+                    assert torch.equal(got[layer][seg.start : seg.end], expect)

@@ -1,0 +1,245 @@
+"""ReceiveTracker: decode's per-request state machine and the verdict the scheduler polls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lynx.codec import CodecConfig, KVLayout
+from lynx.transfer import (
+    RECEIVE_TRANSITIONS,
+    Handshake,
+    Notice,
+    NoticeKind,
+    ReceiveState,
+    ReceiveTracker,
+    Stream,
+    Upstream,
+    Verdict,
+)
+from lynx.transfer.protocol import Mode
+
+LAYOUT = KVLayout(4, 2, 64, torch.bfloat16)
+PEER = "10.0.0.2:8998"
+DEADLINE = 5.0
+S = ReceiveState
+
+
+def local(mode: Mode = "full") -> Handshake:
+    return Handshake(mode, CodecConfig(), LAYOUT)
+
+
+def tracker(mode: Mode = "full", *, accepted: bool = True) -> ReceiveTracker:
+    t = ReceiveTracker(room=7, mode=mode, local=local(mode), deadline_s=DEADLINE)
+    t.offered(now=0.0)
+    if accepted:
+        t.on_notice(accept(local(mode)), PEER, now=0.5)
+    return t
+
+
+def accept(handshake: Handshake) -> Notice:
+    return Notice(NoticeKind.ACCEPT, 7, handshake=handshake.to_wire())
+
+
+def landed(stream: Stream, nbytes: int = 100, ok: bool = True, text: str = "") -> Notice:
+    return Notice(NoticeKind.LANDED, 7, stream=stream, ok=ok, nbytes=nbytes, text=text)
+
+
+def test_receive_state_machine_is_pinned() -> None:
+    assert {k: set(v) for k, v in RECEIVE_TRANSITIONS.items()} == {
+        S.WAITING_SPACE: {S.OFFERED, S.FAILED},
+        S.OFFERED: {S.ACCEPTED, S.FAILED},
+        S.ACCEPTED: {S.ANCHOR_READY, S.FAILED},
+        S.ANCHOR_READY: {S.COMPLETE, S.FAILED},
+        S.COMPLETE: set(),
+        S.FAILED: set(),
+    }
+    # verdict() compares states by their position in this dict: keep it in pipeline order
+    assert list(RECEIVE_TRANSITIONS) == list(ReceiveState)
+
+
+@pytest.mark.parametrize(
+    ("start", "to"),
+    [
+        (S.WAITING_SPACE, S.ACCEPTED),
+        (S.OFFERED, S.ANCHOR_READY),
+        (S.ACCEPTED, S.COMPLETE),
+        (S.COMPLETE, S.FAILED),
+        (S.FAILED, S.OFFERED),
+        (S.OFFERED, S.OFFERED),
+    ],
+)
+def test_illegal_moves_raise(start: ReceiveState, to: ReceiveState) -> None:
+    t = ReceiveTracker(room=3, mode="full", local=local(), deadline_s=DEADLINE, state=start)
+    with pytest.raises(ValueError, match=f"room 3: Lynx receive state {start.value} -> {to.value}"):
+        t.move(to)
+    assert t.state is start
+
+
+def test_offered_records_the_time_and_moves() -> None:
+    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE)
+    assert t.state is S.WAITING_SPACE
+    t.offered(now=12.5)
+    assert (t.state, t.offered_at) == (S.OFFERED, 12.5)
+    with pytest.raises(ValueError):
+        t.offered(now=13.0)  # only once
+
+
+@pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY, S.COMPLETE])
+def test_wait_while_upstream_pending(state: ReceiveState) -> None:
+    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE, state=state)
+    assert t.verdict(Upstream.PENDING, now=1e9) is Verdict.WAIT
+    assert t.state is state and t.error is None
+    assert t.upstream_success_at is None  # the deadline only runs from upstream's Success
+
+
+@pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY])
+def test_upstream_failure_fails(state: ReceiveState) -> None:
+    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE, state=state)
+    assert t.verdict(Upstream.FAILED, now=0.0) is Verdict.FAIL
+    assert t.state is S.FAILED
+    assert t.error == "the upstream KV transfer failed"
+
+
+@pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED])
+def test_upstream_success_without_accept_fails_naming_the_flag(state: ReceiveState) -> None:
+    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE, state=state)
+    assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.FAIL
+    assert t.state is S.FAILED
+    assert t.error is not None
+    assert "without answering Lynx's handshake" in t.error
+    assert "--lynx" in t.error
+    assert t.verdict(Upstream.SUCCESS, now=0.1) is Verdict.FAIL  # and stays failed
+
+
+def test_full_mode_waits_for_the_residual() -> None:
+    t = tracker("full")
+    assert t.state is S.ACCEPTED
+    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    t.on_notice(landed(Stream.ANCHOR, 300), PEER, now=1.5)
+    assert t.state is S.ANCHOR_READY
+    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.WAIT
+    t.on_notice(landed(Stream.RESIDUAL, 900), PEER, now=2.5)
+    assert t.state is S.COMPLETE
+    assert t.verdict(Upstream.SUCCESS, now=3.0) is Verdict.DECODE
+    assert t.landed == {Stream.ANCHOR: 300, Stream.RESIDUAL: 900}
+    assert t.landed_at == {Stream.ANCHOR: 1.5, Stream.RESIDUAL: 2.5}
+    assert t.upstream_success_at == 1.0
+    assert t.error is None
+
+
+def test_full_mode_residual_landing_first_waits_for_the_anchor() -> None:
+    t = tracker("full")
+    t.on_notice(landed(Stream.RESIDUAL, 900), PEER, now=1.0)
+    assert t.state is S.ACCEPTED
+    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    t.on_notice(landed(Stream.ANCHOR, 300), PEER, now=2.0)
+    assert t.state is S.COMPLETE
+    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.DECODE
+
+
+def test_anchor_only_decodes_after_the_anchor() -> None:
+    t = tracker("anchor-only")
+    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.5)
+    assert t.state is S.COMPLETE  # nothing else will come
+    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.DECODE
+
+
+def test_speculative_decodes_on_the_anchor_and_completes_on_the_residual() -> None:
+    t = tracker("speculative")
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
+    assert t.state is S.ANCHOR_READY
+    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.DECODE
+    t.on_notice(landed(Stream.RESIDUAL), PEER, now=2.0)
+    assert t.state is S.COMPLETE
+
+
+def test_anchor_ready_but_upstream_pending_waits() -> None:
+    t = tracker("anchor-only")
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
+    assert t.verdict(Upstream.PENDING, now=1.0) is Verdict.WAIT
+
+
+@pytest.mark.parametrize(("stream", "name"), [(Stream.ANCHOR, "Anchor"), (Stream.RESIDUAL, "Residual")])
+def test_failed_landing_fails_with_the_stream_name(stream: Stream, name: str) -> None:
+    t = tracker("full")
+    t.on_notice(landed(stream, 0, ok=False, text="HIGH write to d:1 failed in the engine"), PEER, now=1.0)
+    assert t.state is S.FAILED
+    assert t.error == (f"prefill {PEER} could not deliver the {name}: HIGH write to d:1 failed in the engine")
+    assert t.landed == {}
+    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.FAIL
+
+
+def test_reject_fails_with_the_reason() -> None:
+    t = tracker("full", accepted=False)
+    t.on_notice(Notice(NoticeKind.REJECT, 7, text="settings differ: anchor_bits=2"), PEER, now=1.0)
+    assert t.state is S.FAILED
+    assert t.error == f"prefill {PEER} refused the Lynx transfer: settings differ: anchor_bits=2"
+    assert t.verdict(Upstream.PENDING, now=1.0) is Verdict.FAIL
+
+
+def test_accept_with_other_settings_fails_naming_both() -> None:
+    t = tracker("full", accepted=False)
+    theirs = Handshake("full", CodecConfig(anchor_bits=3), LAYOUT)
+    t.on_notice(accept(theirs), PEER, now=1.0)
+    assert t.state is S.FAILED
+    assert t.error is not None
+    assert f"this decode server ({local().describe()})" in t.error
+    assert f"prefill {PEER} ({theirs.describe()})" in t.error
+
+
+def test_accept_with_an_unreadable_handshake_fails() -> None:
+    t = tracker("full", accepted=False)
+    t.on_notice(Notice(NoticeKind.ACCEPT, 7, handshake=b"LXHS\x07\x00"), PEER, now=1.0)
+    assert t.state is S.FAILED
+    assert t.error is not None
+    assert f"prefill {PEER} sent a Lynx handshake this server cannot read" in t.error
+    assert "protocol v7" in t.error
+
+
+@pytest.mark.parametrize(
+    ("mode", "anchor", "missing"),
+    [("full", False, "Anchor"), ("full", True, "Residual"), ("anchor-only", False, "Anchor")],
+)
+def test_deadline_from_upstream_success(mode: Mode, anchor: bool, missing: str) -> None:
+    t = tracker(mode)
+    if anchor:
+        t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
+    assert t.verdict(Upstream.SUCCESS, now=100.0) is Verdict.WAIT
+    assert t.verdict(Upstream.SUCCESS, now=100.0 + DEADLINE) is Verdict.WAIT  # not yet past it
+    assert t.verdict(Upstream.SUCCESS, now=100.0 + DEADLINE + 0.01) is Verdict.FAIL
+    assert t.state is S.FAILED
+    assert t.error == (
+        f"the {missing} did not land within 5s of the first token (--lynx-transfer-deadline): "
+        "the prefill server stalled or the link is too slow"
+    )
+
+
+def test_deadline_does_not_apply_once_decodable() -> None:
+    t = tracker("anchor-only")
+    assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.WAIT
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
+    assert t.verdict(Upstream.SUCCESS, now=1e6) is Verdict.DECODE
+
+
+def test_terminal_states_ignore_later_notices() -> None:
+    t = tracker("full")
+    t.on_notice(Notice(NoticeKind.REJECT, 7, text="first"), PEER, now=1.0)
+    error = t.error
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=2.0)
+    t.on_notice(Notice(NoticeKind.REJECT, 7, text="second"), PEER, now=2.0)
+    t.fail("third")
+    assert (t.state, t.error, t.landed) == (S.FAILED, error, {})
+
+    done = tracker("anchor-only")
+    done.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
+    done.on_notice(landed(Stream.ANCHOR, ok=False, text="late"), PEER, now=2.0)
+    done.fail("too late")
+    assert (done.state, done.error) == (S.COMPLETE, None)
+
+
+def test_a_second_accept_is_harmless() -> None:
+    t = tracker("full")
+    t.on_notice(accept(local()), PEER, now=1.0)
+    assert t.state is S.ACCEPTED

@@ -1,0 +1,720 @@
+"""ProgressiveSender -> ProgressiveReceiver in one process, over a fake engine that copies
+bytes between two CPU buffers: offer, encode, lanes, notices, decode, release."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from lynx.codec import CodecConfig, KVLayout, decode, encode
+from lynx.lanes import BatchState, LaneConfig, Transfer
+from lynx.transfer import (
+    Handshake,
+    Notice,
+    NoticeKind,
+    Offer,
+    ProgressiveReceiver,
+    ProgressiveSender,
+    RequestLayout,
+    Stream,
+    Upstream,
+    Verdict,
+    page_slots,
+)
+from lynx.transfer.arena import ByteArena
+from lynx.transfer.protocol import Mode
+
+LAYERS, HEADS, HEAD_DIM, ROWS = 4, 2, 64, 2048
+LAYOUT = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
+N_TOKENS = 600  # segments of 256, 256 and 88 tokens
+DECODE_ENDPOINT = ("10.0.0.2", 9000)
+DECODE_SESSION = "decode:1"
+PREFILL_ADDR = "10.0.0.1:8998"
+WAIT_S = 30.0  # how long a wait may take before the test gives up (never a pass criterion)
+
+
+@pytest.fixture(autouse=True)
+def one_codec_thread() -> Iterator[None]:
+    """The CPU codec runs on torch's thread count; on this little data, and a busy 2-core
+    host, a team of threads mostly waits on its barriers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- a fake engine -----------------------------------------------------------------------------
+
+
+@dataclass
+class FakeBatch:
+    index: int
+    transfers: list[Transfer]
+    copied: bool = False
+
+
+class CopyBackend:
+    """Copies each batch with memmove when first polled after it may complete. ``fail_batch``:
+    that batch (0-based) fails instead; ``hold``: nothing completes while it is set."""
+
+    session_id = "prefill:1"
+
+    def __init__(self, *, fail_batch: int | None = None, hold: bool = False) -> None:
+        self.fail_batch = fail_batch
+        self.hold = threading.Event()
+        if hold:
+            self.hold.set()
+        self.lock = threading.Lock()
+        self.batches: list[FakeBatch] = []
+        self.registered: dict[int, int] = {}
+
+    def probe(self, peer: str) -> bool:
+        return peer == DECODE_SESSION
+
+    def register_memory(self, addr: int, length: int) -> None:
+        self.registered[addr] = length
+
+    def unregister_memory(self, addr: int) -> None:
+        del self.registered[addr]
+
+    def submit_write(self, peer: str, transfers: Sequence[Transfer]) -> FakeBatch:
+        assert peer == DECODE_SESSION
+        with self.lock:
+            batch = FakeBatch(len(self.batches), list(transfers))
+            self.batches.append(batch)
+        return batch
+
+    def poll(self, handle: object) -> BatchState:
+        assert isinstance(handle, FakeBatch)
+        if self.hold.is_set():
+            return BatchState.PENDING
+        if handle.index == self.fail_batch:
+            return BatchState.FAILED
+        if not handle.copied:
+            for t in handle.transfers:
+                ctypes.memmove(t.dst, t.src, t.length)
+            handle.copied = True
+        return BatchState.DONE
+
+    def written(self) -> list[Transfer]:
+        with self.lock:
+            return [t for b in self.batches for t in b.transfers]
+
+
+# ---- both sides in one process -----------------------------------------------------------------
+
+
+def kv_pool(seed: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random bf16 K and V layer buffers; zeros when ``seed`` is None."""
+    shape = (ROWS, HEADS, HEAD_DIM)
+    if seed is None:
+        return (
+            [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)],
+            [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)],
+        )
+    gen = torch.Generator().manual_seed(seed)
+    k = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    v = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    return k, v
+
+
+def request_nbytes(handshake: Handshake, n_tokens: int = N_TOKENS) -> int:
+    plan = RequestLayout(handshake.layout, handshake.codec, n_tokens)
+    return ByteArena.rounded(plan.anchor_nbytes + plan.residual_nbytes)
+
+
+def wait_for(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.002)
+
+
+class Pair:
+    def __init__(
+        self,
+        *,
+        mode: Mode = "full",
+        codec: CodecConfig | None = None,
+        decode_codec: CodecConfig | None = None,
+        backend: CopyBackend | None = None,
+        send_bytes: int | None = None,
+        recv_bytes: int | None = None,
+        page_size: int = 1,
+        quarantine_s: float | None = None,
+        landed_delay_s: float = 0.0,
+    ) -> None:
+        codec = codec or CodecConfig()
+        self.landed_delay_s = landed_delay_s
+        self.handshake = Handshake(mode, codec, LAYOUT)
+        decode_handshake = Handshake(mode, decode_codec or codec, LAYOUT)
+        self.page_size = page_size
+        self.backend = backend or CopyBackend()
+        self.prefill_k, self.prefill_v = kv_pool(seed=0)
+        self.decode_k, self.decode_v = kv_pool(seed=None)
+        self.lock = threading.Lock()
+        self.notices: list[Notice] = []
+        self.failures: list[tuple[int, str]] = []
+        self.receiver = ProgressiveReceiver(
+            buffer=torch.zeros(recv_bytes or 4 * request_nbytes(decode_handshake), dtype=torch.uint8),
+            k_buffers=self.decode_k,
+            v_buffers=self.decode_v,
+            handshake=decode_handshake,
+            deadline_s=600.0,
+            quarantine_s=quarantine_s,
+        )
+        self.send_buffer = torch.zeros(send_bytes or 4 * request_nbytes(self.handshake), dtype=torch.uint8)
+        self.sender = ProgressiveSender(
+            backend=self.backend,
+            buffer=self.send_buffer,
+            k_buffers=self.prefill_k,
+            v_buffers=self.prefill_v,
+            page_size=page_size,
+            handshake=self.handshake,
+            lane_config=LaneConfig(low_chunk_s=None, low_chunk_bytes=16 << 10, low_chunk_min_bytes=4 << 10),
+            notify=self._notify,
+            on_failure=self._on_failure,
+        )
+
+    def _notify(self, endpoint: tuple[str, int], frames: list[bytes]) -> None:
+        assert endpoint == DECODE_ENDPOINT
+        notice = Notice.from_frames(frames)
+        if notice.kind is NoticeKind.LANDED:
+            time.sleep(self.landed_delay_s)  # a slow socket: widens any race with RELEASED
+        with self.lock:
+            self.notices.append(notice)
+        self.receiver.on_notice(frames)
+
+    def _on_failure(self, room: int, reason: str) -> None:
+        with self.lock:
+            self.failures.append((room, reason))
+
+    def kinds(self, room: int) -> list[NoticeKind]:
+        with self.lock:
+            return [n.kind for n in self.notices if n.room == room]
+
+    def offer(self, room: int, n_tokens: int = N_TOKENS) -> Offer:
+        """Decode reserves space; prefill accepts its offer."""
+        offer = self.receiver.reserve(room, n_tokens, peer=PREFILL_ADDR)
+        assert offer is not None
+        assert self.sender.answer_offer(room, offer.to_wire(), DECODE_ENDPOINT) == offer
+        return offer
+
+    def pages(self, seed: int, n_tokens: int = N_TOKENS) -> np.ndarray:
+        """Distinct random prefill pages for a request of ``n_tokens`` tokens."""
+        n_pages = -(-n_tokens // self.page_size)
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randperm(ROWS // self.page_size, generator=gen)[:n_pages].numpy()
+
+    def chunk(self, room: int, offer: Offer, pages: np.ndarray, last: bool) -> None:
+        self.sender.add_chunk(room, DECODE_SESSION, DECODE_ENDPOINT, offer, pages, last)
+
+    def send(self, room: int, offer: Offer, pages: np.ndarray, chunks: Sequence[int]) -> None:
+        """``add_chunk`` for each run of ``chunks`` pages, the last one with last=True."""
+        at = 0
+        for i, n in enumerate(chunks):
+            last = i == len(chunks) - 1
+            self.chunk(room, offer, pages[at:] if last else pages[at : at + n], last)
+            at += n
+
+    def verdict(self, room: int) -> tuple[Verdict, str | None]:
+        return self.receiver.verdict(room, Upstream.SUCCESS)
+
+    def wait_verdict(self, room: int, expected: Verdict) -> str | None:
+        got: list[tuple[Verdict, str | None]] = []
+
+        def settled() -> bool:
+            got.append(self.verdict(room))
+            return got[-1][0] is not Verdict.WAIT
+
+        wait_for(settled, f"room {room} to settle")
+        assert got[-1][0] is expected, got[-1]
+        return got[-1][1]
+
+    def wait_released(self, room: int) -> None:
+        wait_for(lambda: NoticeKind.RELEASED in self.kinds(room), f"RELEASED of room {room}")
+
+    def prefill_rows(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [k[slots] for k in self.prefill_k], [v[slots] for v in self.prefill_v]
+
+    def decode_rows(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [k[slots] for k in self.decode_k], [v[slots] for v in self.decode_v]
+
+
+@pytest.fixture
+def pairs() -> Iterator[Callable[..., Pair]]:
+    made: list[Pair] = []
+
+    def make(**kwargs: object) -> Pair:
+        pair = Pair(**kwargs)  # type: ignore[arg-type]
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        pair.sender.close()
+
+
+def reference_rows(
+    rows: tuple[list[torch.Tensor], list[torch.Tensor]], config: CodecConfig, *, residual: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What decode must hold: each segment of each layer's K and V through the codec's tensor API."""
+    plan = RequestLayout(LAYOUT, config, rows[0][0].shape[0])
+    out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for kind, source, dest in (("key", rows[0], out[0]), ("value", rows[1], out[1])):
+        for layer_rows in source:
+            pieces = []
+            for seg in plan.segments:
+                part = layer_rows[seg.start : seg.end]
+                enc = encode(part, config, kind=kind)  # type: ignore[arg-type]
+                pieces.append(
+                    decode(
+                        enc.anchor,
+                        enc.residual if residual else None,
+                        config=config,
+                        shape=part.shape,
+                        dtype=part.dtype,
+                        kind=kind,  # type: ignore[arg-type]
+                    )
+                )
+            dest.append(torch.cat(pieces))
+    return out
+
+
+def assert_rows_equal(
+    got: tuple[list[torch.Tensor], list[torch.Tensor]], want: tuple[list[torch.Tensor], list[torch.Tensor]]
+) -> None:
+    """Bit for bit (so -0.0 and +0.0 differ)."""
+    for name, got_layers, want_layers in (("K", got[0], want[0]), ("V", got[1], want[1])):
+        for layer, (g, w) in enumerate(zip(got_layers, want_layers, strict=True)):
+            assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} layer {layer} differs"
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def test_page_slots() -> None:
+    pages = np.array([3, 0, 5])
+    assert page_slots(pages, 1).tolist() == [3, 0, 5]
+    assert page_slots(pages, 4).tolist() == [12, 13, 14, 15, 0, 1, 2, 3, 20, 21, 22, 23]
+    assert page_slots(torch.tensor([2]), 2).dtype == torch.int64
+    assert page_slots(np.array([], dtype=np.int64), 4).numel() == 0
+
+
+def test_buffers_must_be_flat_uint8(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    with pytest.raises(ValueError, match="receive buffer"):
+        ProgressiveReceiver(
+            buffer=torch.zeros(64, dtype=torch.float32),
+            k_buffers=pair.decode_k,
+            v_buffers=pair.decode_v,
+            handshake=pair.handshake,
+            deadline_s=1.0,
+        )
+    with pytest.raises(ValueError, match="send buffer"):
+        ProgressiveSender(
+            backend=CopyBackend(),
+            buffer=torch.zeros(8, 8, dtype=torch.uint8),
+            k_buffers=pair.prefill_k,
+            v_buffers=pair.prefill_v,
+            page_size=1,
+            handshake=pair.handshake,
+            lane_config=LaneConfig(),
+            notify=lambda endpoint, frames: None,
+            on_failure=lambda room, reason: None,
+        )
+
+
+# ---- the whole path ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("page_size", "chunks"),
+    [
+        (1, [100, 300, 200]),  # a segment completes inside the second chunk
+        (1, [600]),
+        (4, [64, 64, 22]),  # 150 pages of 4 cover 600 tokens
+        (8, [40, 35]),  # 75 pages of 8, the last one partial (598 tokens)
+    ],
+)
+def test_full_mode_decodes_the_codec_reconstruction(
+    pairs: Callable[..., Pair], page_size: int, chunks: list[int]
+) -> None:
+    n_tokens = N_TOKENS if page_size != 8 else N_TOKENS - 2
+    pair = pairs(page_size=page_size)
+    offer = pair.offer(room=11, n_tokens=n_tokens)
+    plan = RequestLayout(LAYOUT, pair.handshake.codec, n_tokens)
+    assert (offer.anchor_nbytes, offer.residual_nbytes, offer.n_tokens) == (
+        plan.anchor_nbytes,
+        plan.residual_nbytes,
+        n_tokens,
+    )
+    assert pair.kinds(11) == [NoticeKind.ACCEPT]
+    pages = pair.pages(seed=1, n_tokens=n_tokens)
+    pair.send(11, offer, pages, chunks)
+    assert not pair.sender.holds_pages(11)
+    assert pair.wait_verdict(11, Verdict.DECODE) is None
+
+    dst = page_slots(pair.pages(seed=2, n_tokens=n_tokens), page_size)[:n_tokens]  # other rows
+    pair.receiver.decode(11, dst)
+    src = page_slots(pages, page_size)[:n_tokens]
+    want = reference_rows(pair.prefill_rows(src), pair.handshake.codec, residual=True)
+    assert_rows_equal(pair.decode_rows(dst), want)
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    untouched[dst] = False
+    assert all(not k[untouched].any() for k in pair.decode_k)
+
+    report = pair.receiver.forget(11)
+    assert report is not None
+    assert (report.anchor_bytes, report.residual_bytes) == (plan.anchor_nbytes, plan.residual_nbytes)
+    assert report.anchor_latency_s is not None and report.anchor_latency_s >= 0
+    assert report.residual_latency_s is not None and report.residual_latency_s >= 0
+    assert pair.receiver.forget(11) is None
+    assert pair.receiver.stats().buffer_used == 0  # complete: no write can still arrive
+
+    pair.wait_released(11)
+    assert pair.kinds(11) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
+    wait_for(lambda: pair.sender.stats().rooms == 0, "the sender to forget the room")
+    sent = pair.sender.stats()
+    assert (sent.buffer_used, sent.waiting_for_space) == (0, 0)
+    assert (sent.anchor_bytes, sent.residual_bytes) == (plan.anchor_nbytes, plan.residual_nbytes)
+    got = pair.receiver.stats()
+    assert (got.rooms, got.quarantined, got.buffer_used) == (0, 0, 0)
+    assert (got.anchor_bytes, got.residual_bytes) == (plan.anchor_nbytes, plan.residual_nbytes)
+    # every byte went into the space decode offered
+    for t in pair.backend.written():
+        assert offer.anchor_addr <= t.dst and t.dst + t.length <= offer.residual_addr + offer.residual_nbytes
+
+
+def test_released_never_overtakes_a_landed_notice(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(landed_delay_s=0.1)  # several reaper rounds per LANDED
+    offer = pair.offer(room=21)
+    pair.send(21, offer, pair.pages(seed=20), [600])
+    assert pair.wait_verdict(21, Verdict.DECODE) is None
+    pair.wait_released(21)
+    assert pair.kinds(21) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
+
+
+def test_exact_residual_is_bit_exact_with_the_prefill_rows(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(codec=CodecConfig(residual="exact"), page_size=4)
+    offer = pair.offer(room=5)
+    pages = pair.pages(seed=3)
+    pair.send(5, offer, pages, [70, 80])
+    pair.wait_verdict(5, Verdict.DECODE)
+    dst = torch.arange(1000, 1000 + N_TOKENS)
+    pair.receiver.decode(5, dst)
+    pair.receiver.decode(5, dst)  # once only: a second call is a no-op
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 4)[:N_TOKENS]))
+
+
+def test_anchor_only_sends_no_residual_and_decodes_the_anchor(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(mode="anchor-only")
+    offer = pair.offer(room=9)
+    plan = RequestLayout(LAYOUT, pair.handshake.codec, N_TOKENS)
+    assert (offer.anchor_nbytes, offer.residual_addr, offer.residual_nbytes) == (plan.anchor_nbytes, 0, 0)
+    pages = pair.pages(seed=4)
+    pair.send(9, offer, pages, [300, 300])
+    pair.wait_verdict(9, Verdict.DECODE)
+    dst = torch.arange(N_TOKENS)
+    pair.receiver.decode(9, dst)
+    want = reference_rows(pair.prefill_rows(page_slots(pages, 1)), pair.handshake.codec, residual=False)
+    assert_rows_equal(pair.decode_rows(dst), want)
+
+    report = pair.receiver.forget(9)
+    assert report is not None and (report.anchor_bytes, report.residual_bytes) == (plan.anchor_nbytes, 0)
+    pair.wait_released(9)
+    landed = [n for n in pair.notices if n.kind is NoticeKind.LANDED]
+    assert [(n.stream, n.ok, n.nbytes) for n in landed] == [(Stream.ANCHOR, True, plan.anchor_nbytes)]
+    assert sum(t.length for t in pair.backend.written()) == plan.anchor_nbytes
+    for t in pair.backend.written():
+        assert offer.anchor_addr <= t.dst and t.dst + t.length <= offer.anchor_addr + offer.anchor_nbytes
+    wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
+    assert pair.sender.stats().residual_bytes == 0
+    assert (pair.receiver.stats().residual_bytes, pair.receiver.stats().buffer_used) == (0, 0)
+
+
+def test_two_requests_at_once_land_in_their_own_space(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    offers = {room: pair.offer(room) for room in (1, 2)}
+    pages = {1: pair.pages(seed=5), 2: pair.pages(seed=6)}
+    # interleaved chunks
+    pair.chunk(1, offers[1], pages[1][:300], False)
+    pair.chunk(2, offers[2], pages[2][:400], False)
+    pair.chunk(2, offers[2], pages[2][400:], True)
+    pair.chunk(1, offers[1], pages[1][300:], True)
+    for room, base in ((1, 0), (2, N_TOKENS)):
+        pair.wait_verdict(room, Verdict.DECODE)
+        dst = torch.arange(base, base + N_TOKENS)
+        pair.receiver.decode(room, dst)
+        want = reference_rows(pair.prefill_rows(torch.as_tensor(pages[room])), CodecConfig(), residual=True)
+        assert_rows_equal(pair.decode_rows(dst), want)
+
+
+# ---- space ------------------------------------------------------------------------------------
+
+
+def test_a_full_send_buffer_makes_the_next_request_wait(pairs: Callable[..., Pair]) -> None:
+    one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
+    pair = pairs(send_bytes=one + one // 2)
+    offers = {room: pair.offer(room) for room in (1, 2)}
+    pages = {1: pair.pages(seed=7), 2: pair.pages(seed=8)}
+    pair.chunk(1, offers[1], pages[1][:100], False)  # room 1 takes its space
+    assert not pair.sender.holds_pages(1)
+    pair.send(2, offers[2], pages[2], [600])
+    assert pair.sender.holds_pages(2)
+    stats = pair.sender.stats()
+    assert (stats.rooms, stats.waiting_for_space) == (2, 1)
+    pair.sender.pump()
+    assert pair.sender.holds_pages(2)
+    assert pair.kinds(2) == [NoticeKind.ACCEPT]
+
+    pair.chunk(1, offers[1], pages[1][100:], True)
+    pair.wait_verdict(1, Verdict.DECODE)
+    pair.wait_released(1)
+
+    def proceeds() -> bool:
+        pair.sender.pump()  # what the server's poll loop does
+        return not pair.sender.holds_pages(2)
+
+    wait_for(proceeds, "room 2 to get send space")
+    pair.wait_verdict(2, Verdict.DECODE)
+    dst = torch.arange(N_TOKENS)
+    pair.receiver.decode(2, dst)
+    want = reference_rows(pair.prefill_rows(torch.as_tensor(pages[2])), CodecConfig(), residual=True)
+    assert_rows_equal(pair.decode_rows(dst), want)
+
+
+def test_a_request_larger_than_the_send_buffer_fails_instead_of_blocking(pairs: Callable[..., Pair]) -> None:
+    small = request_nbytes(Handshake("full", CodecConfig(), LAYOUT), n_tokens=256)
+    pair = pairs(send_bytes=small)
+    big, fits = pair.offer(1), pair.offer(2, n_tokens=256)
+    pair.send(1, big, pair.pages(seed=21), [600])
+    assert len(pair.failures) == 1
+    room, reason = pair.failures[0]
+    assert room == 1 and "--lynx-buffer-bytes" in reason
+    assert not pair.sender.holds_pages(1)
+    pair.send(2, fits, pair.pages(seed=22, n_tokens=256), [256])  # the next request is not held up
+    pair.wait_verdict(2, Verdict.DECODE)
+
+
+def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) -> None:
+    one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
+    pair = pairs(recv_bytes=one + one // 2)
+    offer = pair.offer(1)
+    assert pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR) is None
+    stats = pair.receiver.stats()
+    assert (stats.rooms, stats.waiting_for_space, stats.buffer_used) == (2, 1, one)
+    assert pair.receiver.knows(2)
+    assert pair.receiver.verdict(2, Upstream.PENDING) == (Verdict.WAIT, None)
+
+    pair.send(1, offer, pair.pages(seed=9), [600])
+    pair.wait_verdict(1, Verdict.DECODE)
+    pair.receiver.decode(1, torch.arange(N_TOKENS))
+    pair.receiver.forget(1)
+    again = pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR)
+    assert again is not None and again.anchor_addr == offer.anchor_addr
+    with pytest.raises(ValueError, match="already has receive space"):
+        pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR)
+
+
+def test_decode_needs_one_slot_per_token(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(mode="anchor-only")
+    offer = pair.offer(3)
+    pair.send(3, offer, pair.pages(seed=10), [600])
+    pair.wait_verdict(3, Verdict.DECODE)
+    with pytest.raises(ValueError, match="599 KV slots for 600 tokens"):
+        pair.receiver.decode(3, torch.arange(N_TOKENS - 1))
+
+
+def test_verdict_of_an_unknown_room_fails(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    assert pair.receiver.verdict(404, Upstream.SUCCESS) == (Verdict.FAIL, "no Lynx state for room 404")
+    assert not pair.receiver.knows(404)
+
+
+def test_unreadable_notices_and_unknown_rooms_are_ignored(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    pair.offer(17)
+    pair.receiver.on_notice([b"LYNX1", b"HELLO", bytes(8)])
+    pair.receiver.on_notice(Notice(NoticeKind.LANDED, 17, nbytes=5).to_frames()[:2])
+    pair.receiver.on_notice(Notice(NoticeKind.REJECT, 99, text="not yours").to_frames())
+    pair.receiver.on_notice(Notice(NoticeKind.RELEASED, 98).to_frames())
+    assert pair.receiver.verdict(17, Upstream.PENDING) == (Verdict.WAIT, None)
+    stats = pair.receiver.stats()
+    assert (stats.rooms, stats.anchor_bytes, stats.residual_bytes) == (1, 0, 0)
+
+
+# ---- failures ----------------------------------------------------------------------------------
+
+
+def test_a_failing_write_fails_the_receiver_and_calls_on_failure(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(backend=CopyBackend(fail_batch=0))
+    offer = pair.offer(4)
+    pair.chunk(4, offer, pair.pages(seed=11), True)  # the first batch is the Anchor (HIGH)
+    reason = pair.wait_verdict(4, Verdict.FAIL)
+    lane_error = "HIGH write to decode:1 failed in the engine"
+    assert reason == f"prefill {PREFILL_ADDR} could not deliver the Anchor: {lane_error}"
+    pair.receiver.forget(4)
+    pair.wait_released(4)
+    assert pair.failures == [(4, f"Lynx HIGH lane: {lane_error}")]  # once, though both lanes failed
+    sent = pair.sender.stats()
+    pair.chunk(4, offer, pair.pages(seed=11), False)  # a late chunk starts nothing
+    assert pair.sender.stats() == sent
+    assert not pair.sender.holds_pages(4)
+    wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
+    assert pair.receiver.stats().buffer_used == 0
+    assert pair.receiver.stats().quarantined == 0
+
+
+def test_nan_in_the_kv_fails_naming_the_layer(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    offer = pair.offer(6)
+    pages = pair.pages(seed=12)
+    pair.prefill_k[2][int(pages[300])] = float("nan")  # token 300: the second segment
+    pair.send(6, offer, pages, [600])
+    assert len(pair.failures) == 1  # at once, on the caller's thread
+    room, reason = pair.failures[0]
+    assert room == 6
+    assert "layer 2" in reason and "cannot encode the KV of room 6" in reason
+    assert not pair.sender.holds_pages(6)
+    # prefill gives the room up: decode hears RELEASED and fails the request
+    pair.wait_released(6)
+    reason = pair.wait_verdict(6, Verdict.FAIL)
+    assert reason == f"prefill {PREFILL_ADDR} gave the request up before it landed"
+    pair.receiver.forget(6)
+    assert pair.receiver.stats().buffer_used == 0
+    wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
+
+
+def test_other_settings_on_decode_are_refused(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(decode_codec=CodecConfig(anchor_bits=3))
+    offer = pair.receiver.reserve(8, N_TOKENS, peer=PREFILL_ADDR)
+    assert offer is not None
+    reason = pair.sender.answer_offer(8, offer.to_wire(), DECODE_ENDPOINT)
+    assert isinstance(reason, str)
+    assert "anchor_bits=4" in reason and "anchor_bits=3" in reason and "decode 10.0.0.2:9000" in reason
+    assert pair.kinds(8) == [NoticeKind.REJECT]
+    verdict, error = pair.verdict(8)
+    assert verdict is Verdict.FAIL
+    assert error == f"prefill {PREFILL_ADDR} refused the Lynx transfer: {reason}"
+
+
+def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    reason = pair.sender.answer_offer(8, b"\x01", DECODE_ENDPOINT)
+    assert isinstance(reason, str) and reason.startswith("cannot read the decode server's Lynx offer")
+    assert pair.kinds(8) == [NoticeKind.REJECT]
+    bad_handshake = Offer(b"LXHS\x01\x00", 64, 64, 128, 64, 1).to_wire()
+    reason = pair.sender.answer_offer(9, bad_handshake, DECODE_ENDPOINT)
+    assert isinstance(reason, str) and reason.startswith("cannot read")
+    reason = pair.sender.answer_offer(10, None, DECODE_ENDPOINT)
+    assert isinstance(reason, str) and "--lynx" in reason
+    assert pair.kinds(10) == []  # a decode without Lynx would not understand a notice
+
+
+def test_an_offer_of_the_wrong_size_fails_the_room(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    offer = pair.offer(12)
+    short = Offer(offer.handshake, offer.anchor_addr, offer.anchor_nbytes - 64, 0, 0, offer.n_tokens)
+    pair.sender.add_chunk(12, DECODE_SESSION, DECODE_ENDPOINT, short, pair.pages(seed=13), True)
+    assert len(pair.failures) == 1 and pair.failures[0][0] == 12
+    assert "decode offered" in pair.failures[0][1]
+    assert pair.sender.stats().rooms == 0
+    assert pair.backend.written() == []
+
+
+def test_fewer_tokens_than_offered_fail_the_room(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    offer = pair.offer(13)
+    pair.send(13, offer, pair.pages(seed=14)[:500], [500])
+    assert pair.failures == [(13, "prefill sent 500 tokens, decode expects 600")]
+    pair.wait_released(13)
+    assert pair.wait_verdict(13, Verdict.FAIL) is not None
+
+
+# ---- aborts ------------------------------------------------------------------------------------
+
+
+def test_abort_before_any_write_frees_both_sides(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    offer = pair.offer(14)
+    pages = pair.pages(seed=15)
+    pair.chunk(14, offer, pages[:100], False)  # not a whole segment yet: nothing sent
+    assert pair.sender.stats().buffer_used > 0
+    pair.sender.abort(14, "decode aborted the request")
+    pair.wait_released(14)
+    assert pair.kinds(14) == [NoticeKind.ACCEPT, NoticeKind.RELEASED]  # no LANDED for aborts
+    wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
+    assert pair.sender.stats().rooms == 0
+    assert pair.failures == []  # an abort is not a failure the server must report
+    assert pair.verdict(14)[0] is Verdict.FAIL
+    pair.receiver.forget(14)  # released: reused at once
+    assert pair.receiver.stats().buffer_used == 0
+    # later chunks of the aborted room are dropped: decode may have reused its space
+    pair.chunk(14, offer, pages[100:400], False)
+    assert not pair.sender.holds_pages(14)
+    stats = pair.sender.stats()
+    assert (stats.rooms, stats.buffer_used, stats.anchor_bytes, stats.residual_bytes) == (0, 0, 0, 0)
+
+
+def test_abort_of_a_request_waiting_for_space(pairs: Callable[..., Pair]) -> None:
+    one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
+    pair = pairs(send_bytes=one)
+    offers = {room: pair.offer(room) for room in (1, 2, 3)}
+    pair.chunk(1, offers[1], pair.pages(seed=16)[:100], False)
+    pair.send(2, offers[2], pair.pages(seed=17), [600])
+    pair.send(3, offers[3], pair.pages(seed=18), [600])
+    assert pair.sender.stats().waiting_for_space == 2
+    pair.sender.abort(2)
+    assert not pair.sender.holds_pages(2)
+    assert (pair.sender.stats().rooms, pair.sender.stats().waiting_for_space) == (2, 1)
+    pair.send(2, offers[2], pair.pages(seed=17), [600])  # a late chunk does not bring it back
+    assert not pair.sender.holds_pages(2)
+    assert pair.sender.stats().rooms == 2
+    pair.sender.abort(1)
+    pair.wait_released(1)
+
+    def proceeds() -> bool:
+        pair.sender.pump()
+        return not pair.sender.holds_pages(3)
+
+    wait_for(proceeds, "room 3 to get send space")
+    pair.wait_verdict(3, Verdict.DECODE)
+
+
+def test_space_is_kept_while_the_engine_holds_writes(pairs: Callable[..., Pair]) -> None:
+    backend = CopyBackend(hold=True)
+    pair = pairs(backend=backend, quarantine_s=600.0)
+    offer = pair.offer(15)
+    pair.send(15, offer, pair.pages(seed=19), [600])
+    wait_for(lambda: bool(backend.written()), "a write in the engine")
+    pair.sender.abort(15)
+    # decode gives the request up too: its space waits for RELEASED
+    pair.receiver.forget(15)
+    stats = pair.receiver.stats()
+    assert (stats.quarantined, stats.buffer_used) == (1, request_nbytes(pair.handshake))
+    time.sleep(0.1)  # several reaper rounds: the write in the engine pins the space
+    assert NoticeKind.RELEASED not in pair.kinds(15)
+    assert pair.sender.stats().buffer_used == request_nbytes(pair.handshake)
+
+    backend.hold.clear()
+    pair.wait_released(15)
+    wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
+    stats = pair.receiver.stats()
+    assert (stats.quarantined, stats.buffer_used) == (0, 0)
+
+
+def test_quarantine_expires_when_prefill_never_releases(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(quarantine_s=0.0)
+    offer = pair.receiver.reserve(16, N_TOKENS, peer=PREFILL_ADDR)
+    assert offer is not None  # never answered: prefill died
+    pair.receiver.forget(16)
+    stats = pair.receiver.stats()
+    assert (stats.quarantined, stats.buffer_used) == (0, 0)
