@@ -201,8 +201,26 @@ def test_segment_in_one_region_matches_reference_and_locates_non_finite(monkeypa
     assert "layer 1 values" in messages[1] and "slot 30" in messages[1]
 
 
-def test_build_failure_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog) -> None:
+def test_a_cached_build_is_imported_without_building(monkeypatch) -> None:
     from torch.utils import cpp_extension
+
+    assert cpp_backend.available()  # built (or imported) once here, so it is cached
+
+    def fail(**_: object) -> None:
+        raise AssertionError("cpp_extension.load called for a cached build")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    cpp_backend._build.cache_clear()
+    try:
+        assert cpp_backend.available()
+    finally:
+        cpp_backend._build.cache_clear()
+
+
+def test_build_failure_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog, tmp_path) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing cached: it must build
 
     def fail(**_: object) -> None:
         raise RuntimeError("no compiler here")
