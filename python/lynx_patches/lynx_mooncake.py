@@ -52,6 +52,7 @@ from lynx.transfer import (
     Offer,
     ProgressiveReceiver,
     ProgressiveSender,
+    ReceiveCapacityError,
     RoomReport,
     Upstream,
     Verdict,
@@ -334,7 +335,12 @@ class LynxKVReceiver(MooncakeKVReceiver):
         """Reserve receive space and send the metadata; False while there is none."""
         receiver = self.kv_mgr.lynx_receiver
         assert receiver is not None and self._lynx_call is not None and self._lynx_slots is not None
-        offer = receiver.reserve(self.bootstrap_room, self._lynx_slots.numel(), peer=self.bootstrap_addr)
+        try:
+            offer = receiver.reserve(self.bootstrap_room, self._lynx_slots.numel(), peer=self.bootstrap_addr)
+        except ReceiveCapacityError as exc:
+            self._lynx_call = None
+            self._lynx_fail(str(exc))
+            return True
         if offer is None:
             return False
         args, kwargs = self._lynx_call

@@ -101,6 +101,24 @@ def test_upstream_failure_fails(state: ReceiveState) -> None:
     assert t.error == "the upstream KV transfer failed"
 
 
+def test_upstream_failure_stands_even_when_every_byte_landed() -> None:
+    t = tracker("full")
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
+    t.on_notice(landed(Stream.RESIDUAL), PEER, now=1.5)
+    assert t.state is S.COMPLETE
+    assert t.verdict(Upstream.FAILED, now=2.0) is Verdict.FAIL
+    assert t.error == "the upstream KV transfer failed"
+
+
+def test_a_landing_before_the_accept_counts_once_accepted() -> None:
+    t = tracker("anchor-only", accepted=False)
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
+    assert t.state is S.OFFERED
+    t.on_notice(accept(local("anchor-only")), PEER, now=1.1)
+    assert t.state is S.COMPLETE
+    assert t.verdict(Upstream.SUCCESS, now=1.2) is Verdict.DECODE
+
+
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED])
 def test_upstream_success_without_accept_fails_naming_the_flag(state: ReceiveState) -> None:
     t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE, state=state)

@@ -22,6 +22,7 @@ from lynx.transfer import (
     Offer,
     ProgressiveReceiver,
     ProgressiveSender,
+    ReceiveCapacityError,
     RequestLayout,
     Stream,
     Upstream,
@@ -524,6 +525,15 @@ def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) ->
         pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR)
 
 
+def test_a_request_larger_than_the_receive_buffer_fails_at_once(pairs: Callable[..., Pair]) -> None:
+    one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
+    pair = pairs(recv_bytes=one // 2)
+    with pytest.raises(ReceiveCapacityError, match="--lynx-buffer-bytes"):
+        pair.receiver.reserve(1, N_TOKENS, peer=PREFILL_ADDR)
+    assert not pair.receiver.knows(1)
+    assert pair.receiver.stats().rooms == 0
+
+
 def test_decode_needs_one_slot_per_token(pairs: Callable[..., Pair]) -> None:
     pair = pairs(mode="anchor-only")
     offer = pair.offer(3)
@@ -675,6 +685,8 @@ def test_abort_of_a_request_waiting_for_space(pairs: Callable[..., Pair]) -> Non
     pair.sender.abort(2)
     assert not pair.sender.holds_pages(2)
     assert (pair.sender.stats().rooms, pair.sender.stats().waiting_for_space) == (2, 1)
+    # Nothing of it was ever written: decode hears at once that it may reuse the space.
+    assert pair.kinds(2) == [NoticeKind.ACCEPT, NoticeKind.RELEASED]
     pair.send(2, offers[2], pair.pages(seed=17), [600])  # a late chunk does not bring it back
     assert not pair.sender.holds_pages(2)
     assert pair.sender.stats().rooms == 2

@@ -21,7 +21,7 @@ from lynx.transfer.protocol import (
     Stream,
 )
 from lynx.transfer.receive import RECEIVE_TRANSITIONS, ReceiveState, ReceiveTracker, Upstream, Verdict
-from lynx.transfer.receiver import ProgressiveReceiver, ReceiverStats, RoomReport
+from lynx.transfer.receiver import ProgressiveReceiver, ReceiveCapacityError, ReceiverStats, RoomReport
 from lynx.transfer.sender import ProgressiveSender, SenderStats, page_slots
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "ProgressiveReceiver",
     "ProgressiveSender",
     "ProtocolError",
+    "ReceiveCapacityError",
     "ReceiveState",
     "ReceiveTracker",
     "ReceiverStats",

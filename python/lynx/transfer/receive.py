@@ -107,6 +107,7 @@ class ReceiveTracker:
                 self.fail(mismatch)
             elif self.state is ReceiveState.OFFERED:
                 self.move(ReceiveState.ACCEPTED)
+                self._advance()  # a LANDED may have come first
         elif notice.kind is NoticeKind.LANDED:
             if not notice.ok:
                 name = "Anchor" if notice.stream is Stream.ANCHOR else "Residual"
@@ -130,6 +131,8 @@ class ReceiveTracker:
         now = time.monotonic() if now is None else now
         if upstream is Upstream.FAILED:
             self.fail("the upstream KV transfer failed")
+            self.error = self.error or "the upstream KV transfer failed"
+            return Verdict.FAIL  # even if every Lynx byte landed: upstream's failure stands
         if self.state is ReceiveState.FAILED:
             return Verdict.FAIL
         if upstream is Upstream.PENDING:

@@ -68,6 +68,10 @@ class _Room:
     released: bool = False  # prefill said no write to this space can still arrive
 
 
+class ReceiveCapacityError(ValueError):
+    """A request needs more receive space than the whole buffer has: it could never start."""
+
+
 class ProgressiveReceiver:
     def __init__(
         self,
@@ -98,7 +102,8 @@ class ProgressiveReceiver:
 
     def reserve(self, room: int, n_tokens: int, peer: str) -> Offer | None:
         """Receive space for the request's ``n_tokens`` tokens, as the offer to send with
-        its metadata to prefill ``peer``; None while no space is free (call again later)."""
+        its metadata to prefill ``peer``; None while no space is free (call again later).
+        Raises ReceiveCapacityError if it needs more than the whole buffer."""
         self._expire_quarantine()
         with self._lock:
             state = self._rooms.get(room)
@@ -109,6 +114,13 @@ class ProgressiveReceiver:
                 raise ValueError(f"room {room} already has receive space")
             plan = RequestLayout(self.handshake.layout, self.handshake.codec, n_tokens)
             residual = 0 if self.mode == "anchor-only" else plan.residual_nbytes
+            if self._arena.rounded(plan.anchor_nbytes + residual) > self._arena.capacity:
+                del self._rooms[room]
+                raise ReceiveCapacityError(
+                    f"a request of {n_tokens} tokens needs {plan.anchor_nbytes + residual} bytes of "
+                    f"receive space, more than the whole buffer ({self._arena.capacity} bytes): "
+                    "raise --lynx-buffer-bytes on the decode server"
+                )
             offset = self._arena.allocate(plan.anchor_nbytes + residual)
             if offset is None:
                 return None

@@ -220,9 +220,14 @@ class ProgressiveSender:
                 return
             state.closed = state.failed = True
             state.pending.clear()
-            if state.offset is None:
+            if state.offset is None:  # nothing was ever written: decode may reuse its space now
                 del self._rooms[room]
-                return
+                endpoint = state.endpoint
+            else:
+                endpoint = None
+        if endpoint is not None:
+            self._notify(endpoint, Notice(NoticeKind.RELEASED, room).to_frames())
+            return
         self._lanes.abort(str(room))
         log.info("Lynx: room %s aborted (%s)", room, reason)
 
