@@ -241,9 +241,22 @@ inline int64_t reciprocal_division_mismatches(int bits) {
   return mismatches;
 }
 
+// Copy n bytes to dst with non-temporal stores where dst is 16-byte aligned: the codes are
+// written once and read by another agent (the transfer), so caching them would only cost
+// a read of each line before it is overwritten. Callers order the stores (sfence) before
+// anything reads them.
+inline void stream_copy(uint8_t* dst, const uint8_t* src, int64_t n) {
+  const int64_t head = std::min<int64_t>(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  int64_t at = head;
+  for (; at + 16 <= n; at += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at)));
+  std::memcpy(dst + at, src + at, n - at);
+}
+
 // Per-thread buffers of the encoder, sized for the widest part: the rows of a unit, group
-// extremes, and per group (channel, or per-token group) half_lo = lo * 0.5, the divisor
-// d and y = RN(1 / d). Padded to whole 8-lane vectors.
+// extremes, per group (channel, or per-token group) half_lo = lo * 0.5, the divisor d and
+// y = RN(1 / d) (padded to whole 8-lane vectors), and the unit's packed codes.
 struct EncodeScratch {
   EncodeScratch(int64_t channels, int64_t tokens)
       : rows(tokens),
@@ -251,7 +264,9 @@ struct EncodeScratch {
         hi(lo.size()),
         half_lo(lo.size()),
         divisor(lo.size()),
-        reciprocal(lo.size()) {}
+        reciprocal(lo.size()),
+        anchor_codes(tokens * channels + 8),
+        fine_codes(tokens * channels + 8) {}
   static size_t padded(int64_t n) { return static_cast<size_t>((n + 7) / 8 * 8); }
 
   // The pool rows of the unit this thread encodes next, prefetched one per row quantized:
@@ -277,6 +292,7 @@ struct EncodeScratch {
 
   std::vector<const void*> rows;
   std::vector<float> lo, hi, half_lo, divisor, reciprocal;
+  std::vector<uint8_t> anchor_codes, fine_codes;  // a unit's packed codes (+ 8 bytes slack)
   std::vector<const char*> ahead;
   int64_t ahead_bytes = 0;
 };
@@ -345,36 +361,36 @@ struct Quantize {
     const __m256 t = Reciprocal ? divide_by_reciprocal(a, factor(divisor), factor(rcp))
                                 : _mm256_div_ps(a, factor(divisor));
     // Conversions round half to even (MXCSR's default mode, which every float32 operation
-    // here relies on). u = clamp(round(t)); round((t - u) * 2^r) = round(t * 2^r) - u * 2^r:
-    // t - u and the scaling are exact, u * 2^r is an even integer (r >= 4) so the tie rule agrees.
+    // here relies on). u = clamp(round(t), 0, L).
     const __m256i u = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), _mm256_setzero_si256()),
                                        _mm256_set1_epi32((1 << K) - 1));
     if constexpr (!Fine) return u;
+    // (u << r) + clamp(round((t - u) * 2^r), -c, c - 1) + c with c = 2^(r-1) equals
+    // clamp(round(t * 2^r) + c, u << r, (u << r) + 2^r - 1): t - u and the scaling are exact,
+    // and u * 2^r is an even integer, so shifting by it does not change the rounding of a tie.
+    // (Adding c before rounding would not be exact for small t.)
     const __m256i high = _mm256_slli_epi32(u, R);
-    const __m256i v = _mm256_sub_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(t, _mm256_set1_ps(1 << R))), high);
-    const __m256i clamped = _mm256_min_epi32(_mm256_max_epi32(v, _mm256_set1_epi32(-(1 << (R - 1)))),
-                                             _mm256_set1_epi32((1 << (R - 1)) - 1));
-    return _mm256_add_epi32(high, _mm256_add_epi32(clamped, _mm256_set1_epi32(1 << (R - 1))));
+    const __m256i shifted = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(t, _mm256_set1_ps(1 << R))),
+                                             _mm256_set1_epi32(1 << (R - 1)));
+    return _mm256_min_epi32(_mm256_max_epi32(shifted, high), _mm256_or_si256(high, _mm256_set1_epi32((1 << R) - 1)));
   }
 
   // Pack 8 code bytes to K anchor bytes (and R residual bytes) at *anchor (*residual),
-  // advancing both. Whole: 8-byte stores, the excess overwritten by the next codes; the last
-  // codes of a row store exactly K (R) bytes so that no byte outside the row is touched
-  // (another thread may own the next row).
-  template <bool Whole>
+  // advancing both: whole 8-byte stores into the unit's buffers (8 bytes of slack), the
+  // excess overwritten by the next codes.
   static void emit(uint64_t bytes, uint8_t*& anchor, uint8_t*& residual) {
     const uint64_t codes = _pext_u64(bytes, kAnchorBits);
-    std::memcpy(anchor, &codes, Whole ? 8 : K);
+    std::memcpy(anchor, &codes, 8);
     anchor += K;
     if constexpr (Fine) {
       const uint64_t fine_codes = _pext_u64(bytes, kFineBits);
-      std::memcpy(residual, &fine_codes, Whole ? 8 : R);
+      std::memcpy(residual, &fine_codes, 8);
       residual += R;
     }
   }
 
   // 16 values at column c: code bytes (w0 then w1) in the low 128 bits.
-  template <bool PerChannel, bool Whole>
+  template <bool PerChannel>
   static void step16(const typename D::Word* x, int64_t c, int64_t G, const float* hl, const float* dv,
                      const float* rc, uint8_t*& anchor, uint8_t*& residual) {
     const int64_t f0 = PerChannel ? c : c / G, f1 = PerChannel ? c + 8 : (c + 8) / G;
@@ -383,35 +399,33 @@ struct Quantize {
     const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(w0, w1), _mm256_setzero_si256());
     const __m128i ordered =
         _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
-    emit<Whole>(static_cast<uint64_t>(_mm_cvtsi128_si64(ordered)), anchor, residual);
-    emit<Whole>(static_cast<uint64_t>(_mm_extract_epi64(ordered, 1)), anchor, residual);
+    emit(static_cast<uint64_t>(_mm_cvtsi128_si64(ordered)), anchor, residual);
+    emit(static_cast<uint64_t>(_mm_extract_epi64(ordered, 1)), anchor, residual);
   }
 
   // One row of C values; factors per channel, or per group of G channels.
   template <bool PerChannel>
   static void row(const typename D::Word* x, int64_t C, int64_t G, const float* hl, const float* dv,
                   const float* rc, uint8_t* anchor, uint8_t* residual) {
-    // Whole stores while at least 48 values remain: the last 8-byte store of a step then
-    // ends at most (8 + 64 / min(K, R)) values <= 40 values past the step's start.
     int64_t c = 0;
-    for (; c + 48 <= C; c += 16) step16<PerChannel, true>(x, c, G, hl, dv, rc, anchor, residual);
-    for (; c + 16 <= C; c += 16) step16<PerChannel, false>(x, c, G, hl, dv, rc, anchor, residual);
+    for (; c + 16 <= C; c += 16) step16<PerChannel>(x, c, G, hl, dv, rc, anchor, residual);
     if (c < C) {
       const int64_t f = PerChannel ? c : c / G;
       const __m128i words = narrow16(codes8<PerChannel>(x + c, hl + f, dv + f, rc + f));
-      emit<false>(static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(words, words))), anchor, residual);
+      emit(static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(words, words))), anchor, residual);
     }
   }
 
-  // The codes of a unit's rows (token `first` onwards) into the part's code arrays.
+  // The codes of a unit's rows (token `first` onwards), assembled in the scratch and
+  // streamed to the part's code arrays (the unit's codes are contiguous there).
   static void rows(const Part& p, const typename D::Word* const* x, int64_t first, int64_t count,
-                   const EncodeScratch& s, uint8_t* codes, uint8_t* residual) {
+                   EncodeScratch& s, uint8_t* codes, uint8_t* residual) {
     const int64_t C = p.channels, G = p.group_size;
     const float *hl = s.half_lo.data(), *dv = s.divisor.data(), *rc = s.reciprocal.data();
     for (int64_t i = 0; i < count; ++i) {
       s.prefetch_ahead(i, i + 1);
-      uint8_t* anchor_row = codes + (first + i) * C * K / 8;
-      uint8_t* fine_row = residual + (first + i) * C * R / 8;
+      uint8_t* anchor_row = s.anchor_codes.data() + i * C * K / 8;
+      uint8_t* fine_row = s.fine_codes.data() + i * C * R / 8;
       if (p.per_channel) {
         row<true>(x[i], C, G, hl, dv, rc, anchor_row, fine_row);
       } else {
@@ -420,6 +434,8 @@ struct Quantize {
       }
     }
     s.prefetch_ahead(count, s.ahead.size());
+    stream_copy(codes + first * C * K / 8, s.anchor_codes.data(), count * C * K / 8);
+    if (Fine) stream_copy(residual + first * C * R / 8, s.fine_codes.data(), count * C * R / 8);
   }
 };
 
@@ -528,6 +544,7 @@ std::vector<bool> encode_parts_k(const std::vector<EncodeJob<D>>& jobs, int thre
         }
       }
     }
+    _mm_sfence();  // the streamed codes are complete before the region ends
   }
   return std::vector<bool>(finite.begin(), finite.end());
 }
