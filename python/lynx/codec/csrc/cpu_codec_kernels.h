@@ -197,8 +197,8 @@ struct EncodeJob {
   const typename D::Word* rows;
   uint8_t* anchor;
   uint8_t* residual;
-  // A key block, or 16 tokens: enough rows per unit that prefetching the next unit's rows
-  // while this one is quantized hides the latency of the scattered pool rows.
+  // A key block, or 16 tokens: per-token groups then fill whole 8-lane parameter vectors
+  // (one token of 3 x 64 channels has 6 groups of 32).
   static int64_t tokens_per_unit(const Part& p) { return p.per_channel ? p.key_block : 16; }
 };
 
@@ -269,32 +269,9 @@ struct EncodeScratch {
         fine_codes(tokens * channels + 8) {}
   static size_t padded(int64_t n) { return static_cast<size_t>((n + 7) / 8 * 8); }
 
-  // The pool rows of the unit this thread encodes next, prefetched one per row quantized:
-  // the rows are scattered over the pool, and without prefetching the encoder waits on
-  // memory latency for much of its time. Spread out, the prefetches never wait for a free
-  // line fill buffer.
-  template <typename D>
-  void plan_ahead(const EncodeJob<D>* job, int64_t unit) {
-    ahead.clear();
-    if (!job) return;
-    const Part& p = job->p;
-    const int64_t first = unit * EncodeJob<D>::tokens_per_unit(p);
-    const int64_t last = std::min(first + EncodeJob<D>::tokens_per_unit(p), p.n);
-    for (int64_t token = first; token < last; ++token)
-      ahead.push_back(reinterpret_cast<const char*>(job->rows + p.row(token) * p.channels));
-    ahead_bytes = p.channels * static_cast<int64_t>(sizeof(typename D::Word));
-  }
-  // Prefetch the planned rows [from, to).
-  void prefetch_ahead(size_t from, size_t to) const {
-    for (size_t i = from; i < std::min(to, ahead.size()); ++i)
-      for (int64_t at = 0; at < ahead_bytes; at += 64) _mm_prefetch(ahead[i] + at, _MM_HINT_T0);
-  }
-
   std::vector<const void*> rows;
   std::vector<float> lo, hi, half_lo, divisor, reciprocal;
   std::vector<uint8_t> anchor_codes, fine_codes;  // a unit's packed codes (+ 8 bytes slack)
-  std::vector<const char*> ahead;
-  int64_t ahead_bytes = 0;
 };
 
 inline float horizontal_min(__m256 v) {
@@ -452,7 +429,6 @@ struct Quantize {
     const int64_t C = p.channels, G = p.group_size;
     const float *hl = s.half_lo.data(), *dv = s.divisor.data(), *rc = s.reciprocal.data();
     for (int64_t i = 0; i < count; ++i) {
-      s.prefetch_ahead(i, i + 1);
       uint8_t* anchor_row = s.anchor_codes.data() + i * C * K / 8;
       uint8_t* fine_row = s.fine_codes.data() + i * C * R / 8;
       if (p.per_channel) {
@@ -462,7 +438,6 @@ struct Quantize {
         row<false>(x[i], C, G, hl + f, dv + f, rc + f, anchor_row, fine_row);
       }
     }
-    s.prefetch_ahead(count, s.ahead.size());
     stream_copy(codes + first * C * K / 8, s.anchor_codes.data(), count * C * K / 8);
     if (Fine) stream_copy(residual + first * C * R / 8, s.fine_codes.data(), count * C * R / 8);
   }
@@ -544,33 +519,20 @@ bool encode_unit(const EncodeJob<D>& job, int64_t unit, EncodeScratch& s) {
   return true;
 }
 
-// Work items per scheduling chunk: a thread prefetches the next unit of its own chunk.
-constexpr int64_t kUnitsPerChunk = 8;
-
 // Encode several parts in one parallel region; per part, whether all its input was finite.
 template <typename D, int K>
 std::vector<bool> encode_parts_k(const std::vector<EncodeJob<D>>& jobs, int threads) {
   const WorkItems items(jobs);
-  const int64_t chunks = (items.total() + kUnitsPerChunk - 1) / kUnitsPerChunk;
   std::vector<uint8_t> finite(jobs.size(), 1);
 #pragma omp parallel num_threads(threads)
   {
     EncodeScratch scratch(items.channels(), items.tokens());
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      const int64_t end = std::min(items.total(), (chunk + 1) * kUnitsPerChunk);
-      for (int64_t item = chunk * kUnitsPerChunk; item < end; ++item) {
-        const auto [part, unit] = items.at(item);
-        if (item + 1 < end) {
-          const auto [next_part, next_unit] = items.at(item + 1);
-          scratch.plan_ahead(&jobs[next_part], next_unit);
-        } else {
-          scratch.plan_ahead<D>(nullptr, 0);
-        }
-        if (!encode_unit<D, K>(jobs[part], unit, scratch)) {
+    for (int64_t item = 0; item < items.total(); ++item) {
+      const auto [part, unit] = items.at(item);
+      if (!encode_unit<D, K>(jobs[part], unit, scratch)) {
 #pragma omp atomic write
-          finite[part] = 0;
-        }
+        finite[part] = 0;
       }
     }
     _mm_sfence();  // the streamed codes are complete before the region ends
