@@ -454,9 +454,17 @@ bool encode_unit(const EncodeJob<D>& job, int64_t unit, EncodeScratch& s) {
   const int64_t first = unit * EncodeJob<D>::tokens_per_unit(p);
   const int64_t count = std::min(EncodeJob<D>::tokens_per_unit(p), p.n - first);
   const Word** rows = reinterpret_cast<const Word**>(s.rows.data());
+  // Request every line of the unit's rows before reading any: the rows are scattered over
+  // the pool, and reading them in order waits on one row's misses at a time (one thread,
+  // 2048-token segment: 2.0 -> 1.2-1.5 ns per value).
+  const int64_t row_bytes = C * static_cast<int64_t>(sizeof(Word));
   for (int64_t i = 0; i < count; ++i) {
     rows[i] = job.rows + p.row(first + i) * C;
-    if (p.exact) std::memcpy(reinterpret_cast<Word*>(job.residual) + (first + i) * C, rows[i], C * sizeof(Word));
+    for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + at, _MM_HINT_T0);
+  }
+  if (p.exact) {
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(reinterpret_cast<Word*>(job.residual) + (first + i) * C, rows[i], row_bytes);
   }
   __m256i largest = _mm256_setzero_si256();  // of the magnitudes
   int64_t groups, params_at;
