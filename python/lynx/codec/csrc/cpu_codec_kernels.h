@@ -257,6 +257,7 @@ inline void stream_copy(uint8_t* dst, const uint8_t* src, int64_t n) {
 // Per-thread buffers of the encoder, sized for the widest part: the rows of a unit, group
 // extremes, per group (channel, or per-token group) half_lo = lo * 0.5, the divisor d and
 // y = RN(1 / d) (padded to whole 8-lane vectors), and the unit's packed codes.
+template <typename D>
 struct EncodeScratch {
   EncodeScratch(int64_t channels, int64_t tokens)
       : rows(tokens),
@@ -269,11 +270,13 @@ struct EncodeScratch {
         fine_codes(tokens * channels + 8) {}
   static size_t padded(int64_t n) { return static_cast<size_t>((n + 7) / 8 * 8); }
 
-  std::vector<const void*> rows;
+  std::vector<const typename D::Word*> rows;
   std::vector<float> lo, hi, half_lo, divisor, reciprocal;
   std::vector<uint8_t> anchor_codes, fine_codes;  // a unit's packed codes (+ 8 bytes slack)
 };
 
+// Extremes of 8 lanes. Any reduction order gives the reference's value: a NaN fails the
+// unit's finite check, and the sign of a zero extreme is dropped (+ 0.0) before use.
 inline float horizontal_min(__m256 v) {
   __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_min_ps(m, _mm_movehl_ps(m, m));
@@ -297,7 +300,7 @@ inline __m256i magnitude(__m256 x) {
 // into the anchor, the quantize factors into the scratch. Returns whether every divisor
 // lies where divide_by_reciprocal is exact.
 template <typename D>
-bool group_params(EncodeScratch& s, int64_t n, float levels, typename D::Word* mins, typename D::Word* scales) {
+bool group_params(EncodeScratch<D>& s, int64_t n, float levels, typename D::Word* mins, typename D::Word* scales) {
   const __m256 half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
   __m256 in_range = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
   for (int64_t g = 0; g < n; g += 8) {
@@ -425,7 +428,7 @@ struct Quantize {
   // The codes of a unit's rows (token `first` onwards), assembled in the scratch and
   // streamed to the part's code arrays (the unit's codes are contiguous there).
   static void rows(const Part& p, const typename D::Word* const* x, int64_t first, int64_t count,
-                   EncodeScratch& s, uint8_t* codes, uint8_t* residual) {
+                   EncodeScratch<D>& s, uint8_t* codes, uint8_t* residual) {
     const int64_t C = p.channels, G = p.group_size;
     const float *hl = s.half_lo.data(), *dv = s.divisor.data(), *rc = s.reciprocal.data();
     for (int64_t i = 0; i < count; ++i) {
@@ -447,13 +450,13 @@ struct Quantize {
 // parameters, then the codes of each row while it is still in L1. False (nothing useful
 // written) when its input is not finite.
 template <typename D, int K>
-bool encode_unit(const EncodeJob<D>& job, int64_t unit, EncodeScratch& s) {
+bool encode_unit(const EncodeJob<D>& job, int64_t unit, EncodeScratch<D>& s) {
   using Word = typename D::Word;
   const Part& p = job.p;
   const int64_t C = p.channels;
   const int64_t first = unit * EncodeJob<D>::tokens_per_unit(p);
   const int64_t count = std::min(EncodeJob<D>::tokens_per_unit(p), p.n - first);
-  const Word** rows = reinterpret_cast<const Word**>(s.rows.data());
+  const Word** rows = s.rows.data();
   // Request every line of the unit's rows before reading any: the rows are scattered over
   // the pool, and reading them in order waits on one row's misses at a time (one thread,
   // 2048-token segment: 2.0 -> 1.2-1.5 ns per value).
@@ -502,7 +505,7 @@ bool encode_unit(const EncodeJob<D>& job, int64_t unit, EncodeScratch& s) {
       }
     }
     groups = count * per_row;
-    for (size_t g = static_cast<size_t>(groups); g < EncodeScratch::padded(groups); ++g) s.lo[g] = s.hi[g] = 0.0f;
+    for (size_t g = static_cast<size_t>(groups); g < EncodeScratch<D>::padded(groups); ++g) s.lo[g] = s.hi[g] = 0.0f;
     params_at = first * per_row;
   }
   const __m256i non_finite = _mm256_cmpgt_epi32(largest, _mm256_set1_epi32(0x7F7FFFFF));
@@ -534,7 +537,7 @@ std::vector<bool> encode_parts_k(const std::vector<EncodeJob<D>>& jobs, int thre
   std::vector<uint8_t> finite(jobs.size(), 1);
 #pragma omp parallel num_threads(threads)
   {
-    EncodeScratch scratch(items.channels(), items.tokens());
+    EncodeScratch<D> scratch(items.channels(), items.tokens());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items.total(); ++item) {
       const auto [part, unit] = items.at(item);
