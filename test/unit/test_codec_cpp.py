@@ -167,6 +167,13 @@ def test_anchor_faults_match_the_reference(dtype, array, value) -> None:
     assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == fault
 
 
+@pytest.mark.parametrize("significant_bits", [8, 11])
+def test_reciprocal_division_is_exact_for_16_bit_scales(significant_bits) -> None:
+    """The encoder divides bf16 (8 significant bits) and fp16 (11) scales by a reciprocal and
+    one correction step; exhaustively over every pair of significands it equals the division."""
+    assert cpp_backend.module().reciprocal_division_mismatches(significant_bits) == 0
+
+
 def test_segment_in_one_region_matches_reference_and_locates_non_finite(monkeypatch) -> None:
     """encode_pages/decode_pages hand all parts to the C++ codec at once: same bytes and rows,
     and a NaN in a later layer raises the reference's message."""

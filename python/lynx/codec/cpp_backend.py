@@ -5,7 +5,8 @@ build is imported directly), one pass per part, the same bytes as ``reference.py
 
 ``-ffp-contract=off`` and no ``-ffast-math``: every float32 operation rounds as torch's.
 ``-march=native``: the build is for the host it runs on (the cache is per host); it needs
-BMI2 (x86-64 since Haswell) and fails to build elsewhere, where the reference is used.
+AVX2, FMA, F16C and BMI2 (x86-64 since Haswell) and fails to build elsewhere, where the
+reference is used.
 """
 
 from __future__ import annotations

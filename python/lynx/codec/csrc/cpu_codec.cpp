@@ -166,4 +166,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_rows", &encode_rows, "Encode parts rows[i][slots]; per part, whether its input was finite");
   m.def("decode_rows", &decode_rows, "Decode parts into rows[i][slots]");
   m.def("anchor_params_fault", &anchor_fault, "0, or why an anchor's minimums/scales are corrupt");
+  m.def("reciprocal_division_mismatches", &lynx_codec::reciprocal_division_mismatches,
+        "Significand pairs where the encoder's reciprocal division differs from a division");
 }
