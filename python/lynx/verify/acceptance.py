@@ -1,0 +1,97 @@
+"""Which held tokens survive verification against full-precision KV.
+
+A request decoded ``k`` tokens on Anchor KV (the *draft*: tokens ``t_1..t_k``, sampled
+from the Anchor-phase distributions ``q_1..q_k``). When the Residual lands, one forward
+over ``t_0..t_k`` on the refined KV gives the full-precision distributions
+``p_1..p_{k+1}`` (``p_i`` predicts position ``i``; ``t_0`` is the exact first token).
+
+* Greedy: keep the longest prefix with ``t_i == argmax p_i``, then append
+  ``argmax p_{m+1}`` (the correction, or the bonus token when all ``k`` matched).
+* Sampling (temperature > 0): the speculative-sampling rule (Leviathan et al. 2023,
+  Chen et al. 2023). Accept ``t_i`` with probability ``min(1, p_i(t_i) / q_i(t_i))``; at
+  the first rejection sample the replacement from ``norm(max(0, p_i - q_i))``; if all
+  are accepted sample the bonus token from ``p_{k+1}``. The committed tokens are then
+  distributed exactly as if every one had been sampled from ``p``.
+
+``p`` and ``q`` must be the distributions the sampler would really use (after
+temperature, top-k/top-p, penalties); settings whose distribution cannot be rebuilt for
+the verify pass are the caller's to refuse (they wait for the Residual instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """``accepted`` of the ``held`` tokens survive; ``tokens`` is what to commit: the
+    accepted held tokens followed by one token from the full-precision distribution (the
+    correction after a rejection, else the bonus token)."""
+
+    held: int
+    accepted: int
+    tokens: list[int]
+
+    @property
+    def rejected(self) -> bool:
+        return self.accepted < self.held
+
+
+def _check(held: torch.Tensor, p: torch.Tensor) -> int:
+    if held.dim() != 1 or held.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"held tokens must be a 1-D integer tensor, got {held.dtype} {held.dim()}-D")
+    k = held.numel()
+    if p.dim() != 2 or p.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} full-precision rows for {k} held tokens, got shape {tuple(p.shape)}")
+    if k and (int(held.min()) < 0 or int(held.max()) >= p.shape[1]):
+        raise ValueError("a held token is outside the vocabulary")
+    return k
+
+
+def verify_greedy(held: torch.Tensor, full_logits: torch.Tensor) -> VerifyOutcome:
+    """Greedy acceptance. ``full_logits``: (k + 1, vocab), row i predicts position i + 1."""
+    k = _check(held, full_logits)
+    target = full_logits.argmax(dim=-1)
+    mismatch = (target[:k] != held).nonzero()
+    m = int(mismatch[0]) if mismatch.numel() else k
+    return VerifyOutcome(held=k, accepted=m, tokens=[*held[:m].tolist(), int(target[m])])
+
+
+def verify_sampling(
+    held: torch.Tensor,
+    draft_probs: torch.Tensor,
+    full_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> VerifyOutcome:
+    """Speculative-sampling acceptance.
+
+    ``draft_probs``: (k, vocab), the Anchor-phase distribution each held token was drawn
+    from; ``full_probs``: (k + 1, vocab) from the verify pass. Rows need not be normalised
+    exactly (they are renormalised); negative or non-finite entries raise.
+    """
+    k = _check(held, full_probs)
+    if draft_probs.shape != (k, full_probs.shape[1]):
+        raise ValueError(f"draft_probs must be ({k}, {full_probs.shape[1]}), got {tuple(draft_probs.shape)}")
+    for name, probs in (("draft_probs", draft_probs), ("full_probs", full_probs)):
+        if not torch.isfinite(probs).all() or (probs < 0).any():
+            raise ValueError(f"{name} must be finite and non-negative")
+    q = draft_probs.double() / draft_probs.double().sum(-1, keepdim=True)
+    p = full_probs.double() / full_probs.double().sum(-1, keepdim=True)
+    rows = torch.arange(k)
+    p_tok, q_tok = p[rows, held], q[rows, held]
+    if (q_tok <= 0).any():
+        raise ValueError("a held token has zero probability under its own draft distribution")
+    u = torch.rand(k, generator=generator, dtype=torch.float64)
+    rejected = (u * q_tok > p_tok).nonzero()  # u < p/q accepts, without dividing
+    if not rejected.numel():
+        bonus = int(torch.multinomial(p[k], 1, generator=generator))
+        return VerifyOutcome(held=k, accepted=k, tokens=[*held.tolist(), bonus])
+    m = int(rejected[0])
+    residual = (p[m] - q[m]).clamp_min(0)
+    # p != q at a rejection, so the positive part has mass; guard float dust anyway.
+    weights = residual if residual.sum() > 0 else p[m]
+    replacement = int(torch.multinomial(weights, 1, generator=generator))
+    return VerifyOutcome(held=k, accepted=m, tokens=[*held[:m].tolist(), replacement])
