@@ -7,7 +7,7 @@ on the tiny model and started once for the module:
 
 * ``P`` (prefill), ``D1``/``D2`` (decode): ``--lynx`` full mode with the exact residual,
   Residual writes held ``HOLD_S`` seconds (a slow link on demand: the window in which
-  the fault tests strike);
+  the fault tests strike); ``D1`` with ``--enable-metrics``;
 * ``P0``/``D0``: plain PD without ``--lynx`` (the BF16 reference, and the peers without
   Lynx for the pairing tests);
 * ``PA``/``DA``: ``--lynx-mode anchor-only`` with 2-bit Anchors.
@@ -24,6 +24,7 @@ import random
 import signal
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -92,7 +93,7 @@ def config(tiny_model: Path) -> ServerConfig:
 def servers(config: ServerConfig, log_dir: Path) -> Iterator[dict[str, Any]]:
     group: dict[str, Any] = {
         "P": Prefill(config, log_dir, "P", HELD),
-        "D1": decode_server(config, log_dir, "D1", HELD),
+        "D1": decode_server(config, log_dir, "D1", [*HELD, "--enable-metrics"]),
         "D2": decode_server(config, log_dir, "D2", HELD),
         "P0": Prefill(config, log_dir, "P0", []),
         "D0": decode_server(config, log_dir, "D0", []),
@@ -324,3 +325,19 @@ def _signal_group(server: SingleServer, sig: signal.Signals) -> None:
     proc = server.processes[0].process
     assert proc is not None
     os.killpg(proc.pid, sig)
+
+
+def test_prometheus_metrics_count_transfers_and_failures(servers: dict) -> None:
+    # After the tests above, D1 has received transfers and failed some (stall, abort,
+    # killed prefill).
+    with urllib.request.urlopen(servers["D1"].url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if (line.startswith("lynx_") and "_count{" in line)
+        or line.startswith("lynx_transfer_failures_total{")
+    }
+    assert samples.get("lynx_anchor_bytes_count", 0) >= 5
+    assert samples.get("lynx_residual_latency_seconds_count", 0) >= 5
+    assert samples.get("lynx_transfer_failures_total", 0) >= 2
