@@ -1,8 +1,18 @@
 """Verification of tokens decoded on Anchor KV against full-precision KV.
 
-:mod:`lynx.verify.acceptance`: the greedy and speculative-sampling acceptance rules.
+:mod:`lynx.verify.acceptance`: the greedy and speculative-sampling acceptance rules;
+:mod:`lynx.verify.state`: a speculative request's state machine and held tokens.
 """
 
 from lynx.verify.acceptance import VerifyOutcome, verify_greedy, verify_sampling
+from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
 
-__all__ = ["VerifyOutcome", "verify_greedy", "verify_sampling"]
+__all__ = [
+    "SPEC_TRANSITIONS",
+    "HeldTokens",
+    "ParkReason",
+    "SpecState",
+    "VerifyOutcome",
+    "verify_greedy",
+    "verify_sampling",
+]

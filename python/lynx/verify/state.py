@@ -1,0 +1,104 @@
+"""The life of a request in speculative mode, on the decode server.
+
+::
+
+    (Anchor landed)                      (Residual landed)
+    SPECULATIVE --cap / held finish--> PARKED --+
+        |                                        +--> VERIFYING --> COMMITTED
+        +----------- Residual landed ------------+          \\
+    any state --abort / transfer failure--> FAILED           +--> (rollback, then COMMITTED)
+
+* ``SPECULATIVE``: decoding on Anchor KV in normal batches; its tokens are held (the
+  first token, from prefill, is exact and is released at once).
+* ``PARKED``: out of the batch, waiting for the Residual: it holds ``cap`` tokens, or a
+  held token would finish it (EOS, stop string, max_new_tokens), which only counts after
+  verification.
+* ``VERIFYING``: the prompt KV is refined; one forward over the held tokens is queued or
+  running.
+* ``COMMITTED``: the accepted prefix plus the correction are the request's tokens; it
+  decodes on as a plain request. A request whose Residual lands before it was admitted
+  goes straight here (no speculation).
+
+``SPEC_TRANSITIONS`` is the whole machine (pinned by ``test/unit/test_verify_state.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SpecState(enum.Enum):
+    SPECULATIVE = "speculative"
+    PARKED = "parked"
+    VERIFYING = "verifying"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+SPEC_TRANSITIONS: dict[SpecState, frozenset[SpecState]] = {
+    SpecState.SPECULATIVE: frozenset({SpecState.PARKED, SpecState.VERIFYING, SpecState.FAILED}),
+    SpecState.PARKED: frozenset({SpecState.VERIFYING, SpecState.FAILED}),
+    SpecState.VERIFYING: frozenset({SpecState.COMMITTED, SpecState.FAILED}),
+    SpecState.COMMITTED: frozenset(),
+    SpecState.FAILED: frozenset(),
+}
+
+
+class ParkReason(enum.Enum):
+    CAP = "cap"  # --lynx-max-speculative-tokens held
+    FINISH = "finish"  # a held token would finish the request
+    MAX_NEW_TOKENS = "max_new_tokens"
+
+
+@dataclass
+class HeldTokens:
+    """The tokens a request decoded on Anchor KV and has not released yet.
+
+    ``draft_probs`` keeps, per held token, the distribution it was sampled from (sampling
+    requests only): the acceptance rule needs it.
+    """
+
+    cap: int
+    state: SpecState = SpecState.SPECULATIVE
+    tokens: list[int] = field(default_factory=list)
+    draft_probs: list[torch.Tensor] = field(default_factory=list)
+    park_reason: ParkReason | None = None
+
+    def __post_init__(self) -> None:
+        if self.cap < 1:
+            raise ValueError(f"the speculative cap must be >= 1, got {self.cap}")
+
+    def move(self, state: SpecState) -> None:
+        if state not in SPEC_TRANSITIONS[self.state]:
+            raise ValueError(f"speculative state {self.state.value} -> {state.value} is not allowed")
+        self.state = state
+
+    def hold(self, token: int, probs: torch.Tensor | None = None) -> None:
+        """Record one token decoded on Anchor KV; park at the cap."""
+        if self.state is not SpecState.SPECULATIVE:
+            raise ValueError(f"cannot hold a token in state {self.state.value}")
+        self.tokens.append(token)
+        if probs is not None:
+            self.draft_probs.append(probs)
+        if len(self.tokens) >= self.cap:
+            self.park(ParkReason.CAP)
+
+    def park(self, reason: ParkReason) -> None:
+        self.move(SpecState.PARKED)
+        self.park_reason = reason
+
+    def verifying(self) -> None:
+        self.move(SpecState.VERIFYING)
+
+    def committed(self, accepted: int) -> list[int]:
+        """Drop the held tokens after the first ``accepted``; returns the dropped ones."""
+        if not 0 <= accepted <= len(self.tokens):
+            raise ValueError(f"accepted {accepted} of {len(self.tokens)} held tokens")
+        self.move(SpecState.COMMITTED)
+        dropped = self.tokens[accepted:]
+        del self.tokens[accepted:]
+        del self.draft_probs[accepted:]
+        return dropped

@@ -1,0 +1,66 @@
+"""The speculative request state machine and its held-token bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
+
+S = SpecState
+
+
+def test_the_machine_is_pinned() -> None:
+    assert {
+        S.SPECULATIVE: {S.PARKED, S.VERIFYING, S.FAILED},
+        S.PARKED: {S.VERIFYING, S.FAILED},
+        S.VERIFYING: {S.COMMITTED, S.FAILED},
+        S.COMMITTED: set(),
+        S.FAILED: set(),
+    } == SPEC_TRANSITIONS
+
+
+@pytest.mark.parametrize(
+    ("start", "to"),
+    [(a, b) for a in SpecState for b in SpecState if b not in SPEC_TRANSITIONS[a]],
+)
+def test_illegal_moves_raise(start: SpecState, to: SpecState) -> None:
+    held = HeldTokens(cap=4, state=start)
+    with pytest.raises(ValueError, match="not allowed"):
+        held.move(to)
+
+
+def test_the_cap_parks() -> None:
+    held = HeldTokens(cap=3)
+    for token in (5, 6):
+        held.hold(token)
+    assert held.state is S.SPECULATIVE
+    held.hold(7)
+    assert (held.state, held.park_reason, held.tokens) == (S.PARKED, ParkReason.CAP, [5, 6, 7])
+    with pytest.raises(ValueError, match="cannot hold"):
+        held.hold(8)
+
+
+def test_commit_keeps_the_accepted_prefix_and_its_probabilities() -> None:
+    held = HeldTokens(cap=8)
+    for token in range(4):
+        held.hold(token, probs=torch.full((3,), float(token)))
+    held.park(ParkReason.FINISH)
+    held.verifying()
+    assert held.committed(accepted=2) == [2, 3]
+    assert held.tokens == [0, 1] and [float(p[0]) for p in held.draft_probs] == [0.0, 1.0]
+    assert held.state is S.COMMITTED
+
+
+def test_residual_before_the_cap_verifies_directly() -> None:
+    held = HeldTokens(cap=8)
+    held.hold(1)
+    held.verifying()
+    assert held.committed(accepted=1) == []
+    with pytest.raises(ValueError, match="accepted 3 of 1"):
+        HeldTokens(cap=8, state=S.VERIFYING, tokens=[1]).committed(accepted=3)
+
+
+def test_cap_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        HeldTokens(cap=0)
