@@ -2,11 +2,13 @@
 
     python -m lynx.demo                       # SmolLM2-135M-Instruct, KV over Mooncake TCP
     python -m lynx.demo --model tiny          # a random tiny Llama, starts faster
-    python -m lynx.demo --model /path/to/hf/folder --prompt "..." --lynx-args "--lynx"
+    python -m lynx.demo --lynx-args "--lynx --lynx-mode anchor-only"
+    python -m lynx.demo --lynx-args ""        # plain upstream PD, for comparison
 
 It prepares the model if needed, starts the three processes, sends one OpenAI chat
 completion through the router (streamed, to measure the time to the first token), prints
-the answer and the TTFT, and stops everything, also on Ctrl-C or a failed start.
+the answer, the TTFT and the KV bytes Lynx moved, and stops everything, also on Ctrl-C or
+a failed start.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from lynx import models
-from lynx.cluster import ClusterError, PDCluster, ServerConfig, terminate_on_sigterm
+from lynx.cluster import ClusterError, PDCluster, ServerConfig, http_json, terminate_on_sigterm
 
 
 def _model_path(choice: str) -> Path:
@@ -88,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gpu", action="store_true", help="serve on CUDA instead of the CPU engine")
     parser.add_argument(
-        "--lynx-args", default="", help='extra flags for both servers, e.g. "--lynx --lynx-anchor-bits 4"'
+        "--lynx-args",
+        default="--lynx",
+        help='flags for both servers (default "--lynx"; "" for plain upstream PD)',
     )
     args = parser.parse_args(argv)
 
@@ -107,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"TTFT: {result.ttft_s * 1000:.0f} ms   completion tokens: {result.completion_tokens}"
                 f"   decode: {result.decode_tokens_per_s:.1f} tokens/s"
             )
+            state = http_json(cluster.decode_url + "/server_info")["internal_states"][0]
+            transfer = state.get("lynx_transfer")
+            if transfer:
+                anchor, residual = transfer["anchor_bytes"] / 1024, transfer["residual_bytes"] / 1024
+                print(
+                    f"Lynx KV received by decode: Anchor {anchor:.0f} KiB, Residual {residual:.0f} KiB"
+                    " (with the start-up check's request)"
+                )
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
