@@ -168,7 +168,7 @@ def bf16_bytes_per_token(model: Path) -> float:
     return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2
 
 
-def plot(results: dict, contexts: list[int], path: Path) -> None:
+def plot(results: dict, contexts: list[int], link: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,7 +184,7 @@ def plot(results: dict, contexts: list[int], path: Path) -> None:
     )
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")
-    ax.set_title("PD TTFT, SmolLM2-135M on 2 CPU cores")
+    ax.set_title(f"PD TTFT, SmolLM2-135M on 2 CPU cores, {link} link")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -251,7 +251,7 @@ def main() -> None:
         print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
     summary = {"link": args.link, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     (args.out / "pd_transfer.json").write_text(json.dumps({**summary, "raw": results}, indent=1))
-    plot({n: results[n] for n in args.configs}, args.contexts, args.out / "pd_transfer_ttft.png")
+    plot({n: results[n] for n in args.configs}, args.contexts, link, args.out / "pd_transfer_ttft.png")
     print(f"wrote {args.out}/pd_transfer.json and pd_transfer_ttft.png")
 
 
