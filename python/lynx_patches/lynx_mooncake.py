@@ -264,7 +264,13 @@ class LynxKVManager(MooncakeKVManager):
             pages = kv_indices.numpy() if isinstance(kv_indices, torch.Tensor) else np.asarray(kv_indices)
             session, endpoint, offer = answer
             assert self.lynx_sender is not None
-            self.lynx_sender.add_chunk(room, session, endpoint, offer, pages, is_last_chunk)
+            try:
+                self.lynx_sender.add_chunk(room, session, endpoint, offer, pages, is_last_chunk)
+            except Exception as exc:  # a Lynx bug fails this request, not the server
+                logger.exception("Lynx: room %s: sending its KV failed", room)
+                self.lynx_sender.abort(room, "internal error")
+                self.conclude_failure(bootstrap_room=room, failure_reason=f"Lynx internal error: {exc}")
+                return
             kv_indices = pages[:0]
         super().add_transfer_request(
             bootstrap_room,
@@ -379,7 +385,14 @@ class LynxKVReceiver(MooncakeKVReceiver):
             receiver.forget(room)
             return KVPoll.Failed
         assert self._lynx_slots is not None
-        receiver.decode(room, self._lynx_slots)
+        try:
+            receiver.decode(room, self._lynx_slots)
+        except Exception as exc:  # a Lynx bug (or corrupt bytes) fails this request, not the server
+            logger.exception("Lynx: room %s: decoding its KV failed", room)
+            self._lynx_fail(f"decoding the received KV failed: {exc}")
+            self.ensure_abort_notified()
+            receiver.forget(room)
+            return KVPoll.Failed
         self._lynx_decoded = True
         self.lynx_report = receiver.forget(room)
         if self.lynx_report is not None and self.kv_mgr.lynx_metrics is not None:

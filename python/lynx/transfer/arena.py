@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 import threading
 
+import torch
+
 ALIGN = 64  # a cache line; also keeps every region 16-byte aligned as the codec wants
 
 
@@ -69,3 +71,11 @@ class ByteArena:
                 del self._free_starts[i], self._free_ends[i]
             self._free_starts.insert(i, start)
             self._free_ends.insert(i, end)
+
+
+def arena_over(buffer: torch.Tensor, what: str) -> ByteArena:
+    """The arena of a send or receive buffer, which must be flat bytes (it is registered
+    with the transfer engine as one region)."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(f"the {what} buffer must be a contiguous 1-D uint8 tensor")
+    return ByteArena(buffer.numel())

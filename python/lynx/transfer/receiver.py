@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lynx.codec import decode_pages
-from lynx.transfer.arena import ByteArena
+from lynx.transfer.arena import arena_over
 from lynx.transfer.protocol import (
     Handshake,
     Notice,
@@ -83,11 +83,9 @@ class ProgressiveReceiver:
         deadline_s: float,
         quarantine_s: float | None = None,
     ) -> None:
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-            raise ValueError("the receive buffer must be a contiguous 1-D uint8 tensor")
+        self._arena = arena_over(buffer, "receive")
         self.handshake = handshake
         self._buffer = buffer
-        self._arena = ByteArena(buffer.numel())
         self._k, self._v = list(k_buffers), list(v_buffers)
         self._deadline_s = deadline_s
         self._quarantine_s = 2 * deadline_s if quarantine_s is None else quarantine_s

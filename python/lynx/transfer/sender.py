@@ -30,7 +30,7 @@ import torch
 
 from lynx.codec import CodecError, encode_pages
 from lynx.lanes import Lane, LaneConfig, LaneError, LaneScheduler, StreamState, StreamStatus, TransferBackend
-from lynx.transfer.arena import ByteArena
+from lynx.transfer.arena import arena_over
 from lynx.transfer.protocol import (
     Handshake,
     Notice,
@@ -103,11 +103,9 @@ class ProgressiveSender:
         on_failure: Callable[[int, str], None],
         hold_s: tuple[float, float] = (0.0, 0.0),
     ) -> None:
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-            raise ValueError("the send buffer must be a contiguous 1-D uint8 tensor")
+        self._arena = arena_over(buffer, "send")
         self.handshake = handshake
         self._buffer = buffer
-        self._arena = ByteArena(buffer.numel())
         self._k, self._v = list(k_buffers), list(v_buffers)
         self._page_size = page_size
         self._notify = notify
@@ -180,7 +178,7 @@ class ProgressiveSender:
                     )
                     return
                 need = plan.anchor_nbytes + plan.residual_nbytes
-                if ByteArena.rounded(need) > self._arena.capacity:  # it would hold up every later room
+                if self._arena.rounded(need) > self._arena.capacity:  # it would hold up every later room
                     self._fail(
                         room,
                         f"{offer.n_tokens} tokens need {need} bytes of send buffer, it has "
