@@ -1,18 +1,22 @@
 """Verification of tokens decoded on Anchor KV against full-precision KV.
 
 :mod:`lynx.verify.acceptance`: the greedy and speculative-sampling acceptance rules;
-:mod:`lynx.verify.state`: a speculative request's state machine and held tokens.
+:mod:`lynx.verify.state`: a speculative request's state machine and held tokens;
+:mod:`lynx.verify.rollback`: which KV slots a commit keeps and frees.
 """
 
 from lynx.verify.acceptance import VerifyOutcome, verify_greedy, verify_sampling
+from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
 
 __all__ = [
     "SPEC_TRANSITIONS",
     "HeldTokens",
+    "KVCommit",
     "ParkReason",
     "SpecState",
     "VerifyOutcome",
+    "kv_after_commit",
     "verify_greedy",
     "verify_sampling",
 ]
