@@ -102,8 +102,9 @@ class LynxKVManager(MooncakeKVManager):
         self.lynx_metrics: TransferMetrics | None = None
         # prefill: room -> (decode session, decode endpoint, offer) or the refusal reason
         self._lynx_offers: dict[int, tuple[str, tuple[str, int], Offer] | str] = {}
-        # decode: room -> offer to append to the metadata message being built
-        self._lynx_outgoing: dict[int, Offer] = {}
+        # decode: room -> offer to append to the metadata message a receiver is building
+        self.lynx_outgoing: dict[int, Offer] = {}
+        self.lynx_page_size = 1  # the KV pool's, set by lynx_attach_pool
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
 
     # ---- set-up (scheduler thread, right after construction) -------------------------------
@@ -155,7 +156,7 @@ class LynxKVManager(MooncakeKVManager):
                 handshake=handshake,
                 deadline_s=self.lynx_settings.transfer_deadline_s,
             )
-        self._lynx_page_size = page_size
+        self.lynx_page_size = page_size
         logger.info(
             "Lynx %s side ready: %s; %s buffer %.1f MiB",
             self.disaggregation_mode.value,
@@ -294,7 +295,7 @@ class LynxKVManager(MooncakeKVManager):
         frames = super().build_receiver_metadata_message(
             bootstrap_room=bootstrap_room, is_dummy=is_dummy, **kwargs
         )
-        offer = self._lynx_outgoing.get(bootstrap_room)
+        offer = self.lynx_outgoing.get(bootstrap_room)
         return frames if is_dummy or offer is None else append_offer(frames, offer)
 
 
@@ -333,7 +334,7 @@ class LynxKVReceiver(MooncakeKVReceiver):
             self._lynx_fail("this model carries extra state (mamba/SWA) Lynx does not receive")
             return
         pages = np.asarray(kv_indices)
-        self._lynx_slots = page_slots(pages, self.kv_mgr._lynx_page_size)
+        self._lynx_slots = page_slots(pages, self.kv_mgr.lynx_page_size)
         self._lynx_call = ((kv_indices, *args), kwargs)
         self._lynx_publish()
 
@@ -351,11 +352,11 @@ class LynxKVReceiver(MooncakeKVReceiver):
             return False
         args, kwargs = self._lynx_call
         self._lynx_call = None
-        self.kv_mgr._lynx_outgoing[self.bootstrap_room] = offer
+        self.kv_mgr.lynx_outgoing[self.bootstrap_room] = offer
         try:
             super().send_metadata(*args, **kwargs)
         finally:
-            self.kv_mgr._lynx_outgoing.pop(self.bootstrap_room, None)
+            self.kv_mgr.lynx_outgoing.pop(self.bootstrap_room, None)
         return True
 
     def _lynx_fail(self, reason: str) -> None:
