@@ -152,6 +152,9 @@ class ServerConfig:
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     host: str = HOST
+    # Idle schedulers otherwise spin a core each; on a small host four idle servers starve
+    # everything else (a router took 90 s to start next to them).
+    sleep_on_idle: bool = True
     # Prepended to the server command, e.g. ("ip", "netns", "exec", "lynx-a") to run it in
     # a network namespace behind a rate-limited link (scripts/netlink.sh).
     launcher: Sequence[str] = ()
@@ -173,6 +176,8 @@ class ServerConfig:
         ]
         if self.cpu:
             argv += ["--device", "cpu", "--attention-backend", "torch_native"]
+        if self.sleep_on_idle:
+            argv.append("--sleep-on-idle")
         return [*argv, *self.extra_args]
 
 
@@ -186,8 +191,8 @@ def _wait_until(
         if ready():
             return
         if time.monotonic() > deadline:
-            logs = ", ".join(str(p.log_path) for p in processes)
-            raise ClusterError(f"{what} not ready after {timeout_s:.0f}s (logs: {logs})")
+            tails = "\n".join(f"--- end of {p.log_path}:\n{_tail(p.log_path, 15)}" for p in processes)
+            raise ClusterError(f"{what} not ready after {timeout_s:.0f}s\n{tails}")
         time.sleep(1.0)
 
 
@@ -349,7 +354,8 @@ class PDCluster(_Group):
             router = self.launch(
                 ManagedProcess("router", self._router_argv, self.log_dir / "router.log", dict(os.environ))
             )
-            _wait_until(self._router_serves, [*servers, router], 180.0, "router")
+            # The router's Python start-up alone takes minutes on a loaded 2-core host.
+            _wait_until(self._router_serves, [*servers, router], 600.0, "router")
         except BaseException:
             self.stop()
             raise
