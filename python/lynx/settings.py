@@ -137,7 +137,11 @@ def parse_size(text: str) -> int:
 
 
 def check_server_compatibility(
-    settings: LynxSettings, *, disaggregation_mode: str, transfer_backend: str
+    settings: LynxSettings,
+    *,
+    disaggregation_mode: str,
+    transfer_backend: str,
+    disable_overlap_schedule: bool = False,
 ) -> None:
     """Refuse server settings Lynx cannot run under, with the flag to change."""
     if disaggregation_mode not in PD_MODES:
@@ -145,10 +149,11 @@ def check_server_compatibility(
             "--lynx needs a prefill/decode disaggregated server: pass "
             f"--disaggregation-mode prefill or decode (got {disaggregation_mode!r})"
         )
-    if settings.mode == "speculative":
+    if settings.mode == "speculative" and disaggregation_mode == "decode" and not disable_overlap_schedule:
+        # The overlap loop launches step N+1 before step N's tokens are known, so a
+        # request is never quiescent where Lynx verifies and rolls back.
         raise LynxSettingsError(
-            "--lynx-mode speculative is not available yet (it needs the speculative "
-            "decode path); use --lynx-mode full or anchor-only"
+            "--lynx-mode speculative needs --disable-overlap-schedule on the decode server"
         )
     if transfer_backend not in TRANSFER_BACKENDS:
         raise LynxSettingsError(

@@ -13,8 +13,14 @@ its top; together they are every upstream symbol Lynx touches:
   receiver (:mod:`lynx_patches.lynx_mooncake`) in place of upstream's with ``--lynx``.
 * :mod:`lynx_patches.disaggregation_prefill` / :mod:`lynx_patches.disaggregation_decode`
   -- hand the KV pool to Lynx's sender / receiver; CPU-engine guard on the early prefix
-  send.
-* :mod:`lynx_patches.output_streamer` -- the per-request transfer report in ``meta_info``.
+  send; speculative mode's admission and per-iteration verification
+  (:mod:`lynx_patches.lynx_speculation`).
+* :mod:`lynx_patches.output_streamer` -- the per-request transfer report in ``meta_info``;
+  held tokens are not streamed.
+* :mod:`lynx_patches.schedule_batch` -- held tokens and deferred finishes; parking instead
+  of retraction.
+* :mod:`lynx_patches.scheduler` -- parked requests count as in flight (idle check, abort).
+* :mod:`lynx_patches.logits_processor` -- logits at every position of the verify forward.
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
 
@@ -29,7 +35,10 @@ from lynx_patches import (
     disaggregation_prefill,
     disaggregation_utils,
     internal_state,
+    logits_processor,
     output_streamer,
+    schedule_batch,
+    scheduler,
     server_args,
     sgl_kernel,
 )
@@ -47,5 +56,8 @@ def register() -> None:
     disaggregation_prefill.register()
     disaggregation_decode.register()
     output_streamer.register()
+    schedule_batch.register()
+    scheduler.register()
+    logits_processor.register()
     if is_cpu_engine():
         disaggregation_mooncake_conn.register()

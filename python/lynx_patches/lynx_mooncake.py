@@ -60,6 +60,7 @@ from lynx.transfer import (
 )
 from lynx.transfer.metrics import TransferMetrics
 from lynx.transfer.protocol import append_offer, bytes_per_token, is_notice, split_offer
+from lynx_patches.lynx_speculation import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class LynxKVManager(MooncakeKVManager):
         self.lynx_settings = lynx_settings
         self.lynx_sender: ProgressiveSender | None = None
         self.lynx_receiver: ProgressiveReceiver | None = None
+        self.lynx_speculation: SpeculativeDecoder | None = None
         self.lynx_metrics: TransferMetrics | None = None
         # prefill: room -> (decode session, decode endpoint, offer) or the refusal reason
         self._lynx_offers: dict[int, tuple[str, tuple[str, int], Offer] | str] = {}
@@ -156,6 +158,13 @@ class LynxKVManager(MooncakeKVManager):
                 handshake=handshake,
                 deadline_s=self.lynx_settings.transfer_deadline_s,
             )
+            if self.lynx_settings.mode == "speculative":
+                self.lynx_speculation = SpeculativeDecoder(
+                    self.lynx_receiver,
+                    self.lynx_settings.max_speculative_tokens,
+                    page_size,
+                    self.lynx_metrics,
+                )
         self.lynx_page_size = page_size
         logger.info(
             "Lynx %s side ready: %s; %s buffer %.1f MiB",
@@ -167,7 +176,11 @@ class LynxKVManager(MooncakeKVManager):
 
     def lynx_stats(self) -> dict[str, Any]:
         side = self.lynx_sender or self.lynx_receiver
-        return {} if side is None else vars(side.stats())
+        stats = {} if side is None else vars(side.stats())
+        if self.lynx_speculation is not None:
+            spec = self.lynx_speculation.stats
+            stats["speculation"] = {**vars(spec), "acceptance_rate": spec.acceptance_rate}
+        return stats
 
     def teardown(self) -> None:
         if self.lynx_sender is not None:
@@ -321,9 +334,12 @@ class LynxKVSender(MooncakeKVSender):
 
 class LynxKVReceiver(MooncakeKVReceiver):
     kv_mgr: LynxKVManager
-    _lynx_slots: torch.Tensor | None = None
+    lynx_slots: torch.Tensor | None = None  # the request's KV slots, in token order
     _lynx_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     _lynx_decoded = False
+    # Speculative mode: decoded on the Anchor, the Residual still in flight; the room
+    # outlives this receiver (the SpeculativeDecoder takes it over at commit).
+    lynx_speculating = False
     lynx_report: RoomReport | None = None
 
     def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
@@ -334,16 +350,16 @@ class LynxKVReceiver(MooncakeKVReceiver):
             self._lynx_fail("this model carries extra state (mamba/SWA) Lynx does not receive")
             return
         pages = np.asarray(kv_indices)
-        self._lynx_slots = page_slots(pages, self.kv_mgr.lynx_page_size)
+        self.lynx_slots = page_slots(pages, self.kv_mgr.lynx_page_size)
         self._lynx_call = ((kv_indices, *args), kwargs)
         self._lynx_publish()
 
     def _lynx_publish(self) -> bool:
         """Reserve receive space and send the metadata; False while there is none."""
         receiver = self.kv_mgr.lynx_receiver
-        assert receiver is not None and self._lynx_call is not None and self._lynx_slots is not None
+        assert receiver is not None and self._lynx_call is not None and self.lynx_slots is not None
         try:
-            offer = receiver.reserve(self.bootstrap_room, self._lynx_slots.numel(), peer=self.bootstrap_addr)
+            offer = receiver.reserve(self.bootstrap_room, self.lynx_slots.numel(), peer=self.bootstrap_addr)
         except ReceiveCapacityError as exc:
             self._lynx_call = None
             self._lynx_fail(str(exc))
@@ -385,9 +401,9 @@ class LynxKVReceiver(MooncakeKVReceiver):
                 self.kv_mgr.lynx_metrics.failed()
             receiver.forget(room)
             return KVPoll.Failed
-        assert self._lynx_slots is not None
+        assert self.lynx_slots is not None
         try:
-            receiver.decode(room, self._lynx_slots)
+            full = receiver.decode(room, self.lynx_slots)
         except Exception as exc:  # a Lynx bug (or corrupt bytes) fails this request, not the server
             logger.exception("Lynx: room %s: decoding its KV failed", room)
             self._lynx_fail(f"decoding the received KV failed: {exc}")
@@ -395,6 +411,9 @@ class LynxKVReceiver(MooncakeKVReceiver):
             receiver.forget(room)
             return KVPoll.Failed
         self._lynx_decoded = True
+        if not full and receiver.mode == "speculative":
+            self.lynx_speculating = True
+            return status
         self.lynx_report = receiver.forget(room)
         if self.lynx_report is not None and self.kv_mgr.lynx_metrics is not None:
             self.kv_mgr.lynx_metrics.observe(self.lynx_report)
@@ -405,8 +424,14 @@ class LynxKVReceiver(MooncakeKVReceiver):
         super().abort()
 
     def clear(self) -> None:
-        self._lynx_release()
+        if not self.lynx_speculating:
+            self._lynx_release()
         super().clear()
+
+    def lynx_end_speculation(self) -> None:
+        """The request ended at commit: nobody will verify it."""
+        self.lynx_speculating = False
+        self._lynx_release()
 
     def _lynx_release(self) -> None:
         receiver = self.kv_mgr.lynx_receiver

@@ -1,27 +1,39 @@
-"""Lynx's per-request transfer report in the response's ``meta_info``.
+"""What Lynx changes in the scheduler's output streaming.
 
 Hook targets (``sglang.srt.`` omitted):
 * ``managers.scheduler_components.output_streamer.SchedulerOutputStreamer``
   ``.is_request_level_customized_info_key`` AROUND: ``lynx_transfer`` is one value per
   request, not one per token.
+* ``managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output``
+  AROUND (``--lynx-mode speculative``): requests holding unverified tokens are left out,
+  so neither their tokens nor their stream offsets move; verification may still cut
+  them. The first token (prefill's, exact) passes; a finished request always passes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lynx_patches import lynx_speculation
 from lynx_patches._hooks import hook
-from lynx_patches.disaggregation_decode import META_INFO_KEY
+from lynx_patches.lynx_speculation import META_INFO_KEY
 
-TARGET = (
-    "managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-    ".is_request_level_customized_info_key"
-)
+STREAMER = "managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 
 
 def _lynx_key_is_per_request(original: Any, streamer: Any, key: str) -> bool:
     return key == META_INFO_KEY or original(streamer, key)
 
 
+def _hold_back(original: Any, streamer: Any, reqs: list[Any], *args: Any, **kwargs: Any) -> Any:
+    if lynx_speculation.current() is None or not any(lynx_speculation.holds_tokens(r) for r in reqs):
+        return original(streamer, reqs, *args, **kwargs)
+    released = [req for req in reqs if not lynx_speculation.holds_tokens(req)]
+    if not released:
+        return None
+    return original(streamer, released, *args, **kwargs)
+
+
 def register() -> None:
-    hook(TARGET, _lynx_key_is_per_request, "around")
+    hook(STREAMER + ".is_request_level_customized_info_key", _lynx_key_is_per_request, "around")
+    hook(STREAMER + ".stream_output", _hold_back, "around")

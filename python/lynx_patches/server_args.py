@@ -123,6 +123,7 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
                 lynx_settings,
                 disaggregation_mode=args.disaggregation_mode,
                 transfer_backend=args.disaggregation_transfer_backend,
+                disable_overlap_schedule=bool(getattr(args, "disable_overlap_schedule", False)),
             )
     except LynxSettingsError as exc:
         raise SystemExit(f"sglang-lynx: error: {exc}") from None

@@ -17,12 +17,9 @@ The router path (OpenAI API, streaming) with ``--lynx`` is in test_pd_cluster.py
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
 import signal
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -32,8 +29,9 @@ from typing import Any
 
 import pytest
 import torch
+from pdtools import Prefill, decode_server, error_of, idle, pd_generate, state, wait_for
 
-from lynx.cluster import HOST, ServerConfig, SingleServer, free_port, http_json, start_together
+from lynx.cluster import ServerConfig, SingleServer, http_json, start_together
 from lynx.codec import CodecConfig, KVLayout
 from lynx.transfer import RequestLayout
 
@@ -54,34 +52,6 @@ PROMPTS = [
     "Once upon a time " * 30,  # ~500 tokens: four prefill chunks, two Lynx segments
     "1, 2, 3, 4, 5,",
 ]
-
-
-class Prefill(SingleServer):
-    def __init__(self, config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> None:
-        self.bootstrap_port = free_port()
-        super().__init__(
-            config,
-            log_dir,
-            name=name,
-            args=[
-                *args,
-                "--disaggregation-mode",
-                "prefill",
-                "--disaggregation-transfer-backend",
-                "mooncake_tcp",
-                "--disaggregation-bootstrap-port",
-                str(self.bootstrap_port),
-            ],
-        )
-
-
-def decode_server(config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> SingleServer:
-    return SingleServer(
-        config,
-        log_dir,
-        name=name,
-        args=[*args, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake_tcp"],
-    )
 
 
 @pytest.fixture(scope="module")
@@ -106,63 +76,6 @@ def servers(config: ServerConfig, log_dir: Path) -> Iterator[dict[str, Any]]:
     finally:
         for server in group.values():
             server.stop()
-
-
-def pd_generate(
-    prefill: Prefill, decode: SingleServer, prompt: str, max_new_tokens: int = 16, rid: str | None = None
-) -> dict:
-    """What the router does for one request: the same body, with bootstrap fields, to both
-    servers at once; the answer is decode's. Raises HTTPError with decode's error."""
-    body: dict[str, Any] = {
-        "text": prompt,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-        "bootstrap_host": HOST,
-        "bootstrap_port": prefill.bootstrap_port,
-        "bootstrap_room": random.getrandbits(62),
-    }
-    if rid is not None:
-        body["rid"] = rid
-    with ThreadPoolExecutor(2) as pool:
-        to_prefill = pool.submit(_post_ignoring_errors, prefill.url + "/generate", body)
-        answer = pool.submit(http_json, decode.url + "/generate", body, 180)
-        try:
-            return answer.result()
-        finally:
-            to_prefill.result()
-
-
-def _post_ignoring_errors(url: str, body: dict) -> None:
-    # Prefill's own answer carries nothing the client uses.
-    with contextlib.suppress(urllib.error.URLError, OSError):
-        http_json(url, body, timeout=180)
-
-
-def error_of(call: Callable[[], object]) -> str:
-    """The error body of a request that must fail."""
-    with pytest.raises(urllib.error.HTTPError) as failure:
-        call()
-    return failure.value.read().decode(errors="replace")
-
-
-def state(server: SingleServer) -> dict:
-    return http_json(server.url + "/server_info")["internal_states"][0]
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still not {what} after {timeout_s:.0f} s")
-        time.sleep(0.5)
-
-
-def idle(server: SingleServer, kv_tokens: int | None = None) -> bool:
-    """No Lynx request in flight, no buffer byte held, and (decode) the KV pool back to
-    its idle size."""
-    s = state(server)
-    transfer = s["lynx_transfer"]
-    quiet = transfer["rooms"] == 0 and transfer["buffer_used"] == 0 and transfer.get("quarantined", 0) == 0
-    return quiet and (kv_tokens is None or s["lynx_kv_available_tokens"] == kv_tokens)
 
 
 @pytest.fixture(scope="module")

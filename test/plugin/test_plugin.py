@@ -167,7 +167,7 @@ def test_cpu_engine_pd_defaults(probe: dict) -> None:
         ("bits_5", "--lynx-anchor-bits must be 2, 3 or 4"),
         ("option_without_lynx", "--lynx-residual given without --lynx"),
         ("decode_host_pool", "use cpu_tensor"),
-        ("speculative", "--lynx-mode speculative is not available yet"),
+        ("speculative", "--lynx-mode speculative needs --disable-overlap-schedule"),
         ("hold_past_deadline", "--lynx-residual-hold must be >= 0 and below --lynx-transfer-deadline"),
     ],
 )

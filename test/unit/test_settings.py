@@ -89,3 +89,16 @@ def test_server_compatibility(mode: str, backend: str, message: str) -> None:
     settings.check_server_compatibility(
         LynxSettings(), disaggregation_mode="decode", transfer_backend="mooncake_tcp"
     )
+
+
+def test_speculative_decode_needs_the_non_overlap_scheduler() -> None:
+    spec = LynxSettings(mode="speculative")
+    with pytest.raises(LynxSettingsError, match="--disable-overlap-schedule"):
+        settings.check_server_compatibility(
+            spec, disaggregation_mode="decode", transfer_backend="mooncake_tcp"
+        )
+    settings.check_server_compatibility(
+        spec, disaggregation_mode="decode", transfer_backend="mooncake_tcp", disable_overlap_schedule=True
+    )
+    # prefill only sends both streams: its scheduler is not involved
+    settings.check_server_compatibility(spec, disaggregation_mode="prefill", transfer_backend="mooncake_tcp")

@@ -32,15 +32,32 @@ def test_greedy(held: list[int], full_argmax: list[int], accepted: int, tokens: 
     assert outcome.rejected == (accepted < len(held))
 
 
+@pytest.mark.parametrize(
+    ("held", "full_argmax", "accepted", "tokens"),
+    [
+        ([1, 2, 3], [1, 2, 3], 3, [1, 2, 3]),  # all match, no bonus row: commit the held ones
+        ([1, 2, 3], [1, 5, 3], 1, [1, 5]),
+        ([1, 2, 3], [0, 2, 3], 0, [0]),
+    ],
+)
+def test_greedy_without_the_bonus_row(
+    held: list[int], full_argmax: list[int], accepted: int, tokens: list[int]
+) -> None:
+    outcome = verify_greedy(torch.tensor(held, dtype=torch.int64), logits_with_argmax(full_argmax))
+    assert outcome == VerifyOutcome(held=len(held), accepted=accepted, tokens=tokens)
+
+
 def test_shapes_are_checked() -> None:
-    with pytest.raises(ValueError, match="need 3 full-precision rows"):
-        verify_greedy(torch.tensor([1, 2]), torch.zeros(2, VOCAB))
+    with pytest.raises(ValueError, match="need 2 or 3"):
+        verify_greedy(torch.tensor([1, 2]), torch.zeros(1, VOCAB))
+    with pytest.raises(ValueError, match="need 0 or 1"):
+        verify_greedy(torch.tensor([], dtype=torch.int64), torch.zeros(0, VOCAB))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         verify_greedy(torch.tensor([VOCAB]), torch.zeros(2, VOCAB))
     with pytest.raises(ValueError, match="1-D integer"):
         verify_greedy(torch.tensor([1.0]), torch.zeros(2, VOCAB))
     with pytest.raises(ValueError, match="draft_probs must be"):
-        verify_sampling(torch.tensor([1]), torch.ones(2, VOCAB), torch.ones(2, VOCAB))
+        verify_sampling(torch.tensor([1]), torch.ones(3, VOCAB), torch.ones(2, VOCAB))
     with pytest.raises(ValueError, match="finite and non-negative"):
         verify_sampling(torch.tensor([1]), -torch.ones(1, VOCAB), torch.ones(2, VOCAB))
     with pytest.raises(ValueError, match="zero probability"):
@@ -56,6 +73,9 @@ def test_identical_distributions_accept_everything() -> None:
         held = torch.multinomial(p[:3], 1, generator=gen).squeeze(1)
         outcome = verify_sampling(held, p[:3], p, generator=gen)
         assert outcome.accepted == 3 and outcome.tokens[:3] == held.tolist()
+        assert len(outcome.tokens) == 4  # the bonus token
+        without_bonus = verify_sampling(held, p[:3], p[:3], generator=gen)
+        assert without_bonus.accepted == 3 and without_bonus.tokens == held.tolist()
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""Per-request transfer metrics in Prometheus (``--enable-metrics``), decode side.
+"""Per-request transfer and speculation metrics in Prometheus (``--enable-metrics``),
+decode side.
 
 Created in the scheduler process after the server set up Prometheus' multi-process
 directory, so the server's ``/metrics`` endpoint collects them with its own.
@@ -7,6 +8,7 @@ directory, so the server's ``/metrics`` endpoint collects them with its own.
 from __future__ import annotations
 
 from lynx.transfer.receiver import RoomReport
+from lynx.verify.stats import SpeculationReport
 
 _BYTE_BUCKETS = tuple(float(1 << n) for n in range(12, 34, 2))  # 4 KiB .. 8 GiB
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -33,6 +35,16 @@ class TransferMetrics:
             "lynx_residual_latency_seconds", "Receive space offered -> Residual landed", _LATENCY_BUCKETS
         )
         self.failures = Counter("lynx_transfer_failures", "Requests whose Lynx transfer failed", names)
+        self.held = Counter("lynx_held_tokens", "Tokens decoded on Anchor KV and held back", names)
+        self.accepted = Counter("lynx_accepted_tokens", "Held tokens committed after verification", names)
+        self.verify_latency = histogram(
+            "lynx_verify_seconds", "Verify forward (refined KV) per request", _LATENCY_BUCKETS
+        )
+        self.anchor_to_commit = histogram(
+            "lynx_anchor_to_commit_seconds",
+            "Decoding on the Anchor -> held tokens committed",
+            _LATENCY_BUCKETS,
+        )
 
     def observe(self, report: RoomReport) -> None:
         labels = self._labels
@@ -42,6 +54,13 @@ class TransferMetrics:
             self.anchor_latency.labels(**labels).observe(report.anchor_latency_s)
         if report.residual_latency_s is not None:
             self.residual_latency.labels(**labels).observe(report.residual_latency_s)
+
+    def speculated(self, report: SpeculationReport) -> None:
+        labels = self._labels
+        self.held.labels(**labels).inc(report.held)
+        self.accepted.labels(**labels).inc(report.accepted)
+        self.verify_latency.labels(**labels).observe(report.verify_s)
+        self.anchor_to_commit.labels(**labels).observe(report.anchor_to_commit_s)
 
     def failed(self) -> None:
         self.failures.labels(**self._labels).inc()

@@ -149,6 +149,22 @@ class ReceiveTracker:
         order = list(RECEIVE_TRANSITIONS)
         if order.index(self.state) >= order.index(wanted):
             return Verdict.DECODE
+        return self._past_deadline(now)
+
+    def residual_verdict(self, now: float | None = None) -> Verdict:
+        """Speculative mode, after decoding started on the Anchor: may the request be
+        refined (DECODE), must it wait, or will its Residual never come (FAIL)?"""
+        now = time.monotonic() if now is None else now
+        if self.state is ReceiveState.COMPLETE:
+            return Verdict.DECODE
+        if self.state is ReceiveState.FAILED:
+            return Verdict.FAIL
+        if self.upstream_success_at is None:
+            raise ValueError(f"room {self.room}: asked for the Residual before the first token landed")
+        return self._past_deadline(now)
+
+    def _past_deadline(self, now: float) -> Verdict:
+        assert self.upstream_success_at is not None
         if now - self.upstream_success_at > self.deadline_s:
             missing = "Anchor" if Stream.ANCHOR not in self.landed else "Residual"
             self.fail(

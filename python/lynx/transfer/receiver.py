@@ -64,7 +64,8 @@ class _Room:
     peer: str  # the prefill server, for error messages
     plan: RequestLayout | None = None
     offset: int | None = None
-    decoded: bool = False
+    decoded: bool = False  # at least the Anchor is in the KV pages
+    refined: bool = False  # the Anchor and the Residual are
     released: bool = False  # prefill said no write to this space can still arrive
 
 
@@ -172,14 +173,26 @@ class ProgressiveReceiver:
             verdict = state.tracker.verdict(upstream)
             return verdict, state.tracker.error
 
-    def decode(self, room: int, slots: torch.Tensor) -> None:
-        """Write the landed bytes into the request's KV rows ``slots`` (once)."""
+    def residual_verdict(self, room: int) -> tuple[Verdict, str | None]:
+        """Speculative mode, after the Anchor was decoded: DECODE once the Residual
+        landed (call :meth:`decode` again to refine), FAIL if it never will."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return Verdict.FAIL, f"no Lynx state for room {room}"
+            return state.tracker.residual_verdict(), state.tracker.error
+
+    def decode(self, room: int, slots: torch.Tensor) -> bool:
+        """Write the landed bytes into the request's KV rows ``slots``: the Anchor, or
+        Anchor and Residual once both landed. Speculative mode calls it again after the
+        Residual landed, which rewrites the rows at full precision. Returns whether the
+        rows now hold the full-precision (Anchor + Residual) values."""
         with self._lock:
             state = self._rooms[room]
-            if state.decoded:
-                return
-            plan, offset = state.plan, state.offset
             full = state.tracker.state is ReceiveState.COMPLETE and self.mode != "anchor-only"
+            if state.refined or (state.decoded and not full):
+                return state.refined
+            plan, offset = state.plan, state.offset
         assert plan is not None and offset is not None
         if slots.numel() != plan.n_tokens:
             raise ValueError(f"room {room}: {slots.numel()} KV slots for {plan.n_tokens} tokens")
@@ -197,6 +210,8 @@ class ProgressiveReceiver:
             )
         with self._lock:
             state.decoded = True
+            state.refined = full
+        return full
 
     def forget(self, room: int) -> RoomReport | None:
         """The request is done with its receive space (decoded, failed or aborted)."""

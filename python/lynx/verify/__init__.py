@@ -2,12 +2,14 @@
 
 :mod:`lynx.verify.acceptance`: the greedy and speculative-sampling acceptance rules;
 :mod:`lynx.verify.state`: a speculative request's state machine and held tokens;
-:mod:`lynx.verify.rollback`: which KV slots a commit keeps and frees.
+:mod:`lynx.verify.rollback`: which KV slots a commit keeps and frees;
+:mod:`lynx.verify.stats`: what speculation did, per request and per server.
 """
 
 from lynx.verify.acceptance import VerifyOutcome, verify_greedy, verify_sampling
 from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
+from lynx.verify.stats import SpeculationReport, SpeculationStats
 
 __all__ = [
     "SPEC_TRANSITIONS",
@@ -15,6 +17,8 @@ __all__ = [
     "KVCommit",
     "ParkReason",
     "SpecState",
+    "SpeculationReport",
+    "SpeculationStats",
     "VerifyOutcome",
     "kv_after_commit",
     "verify_greedy",

@@ -2,16 +2,19 @@
 
 A request decoded ``k`` tokens on Anchor KV (the *draft*: tokens ``t_1..t_k``, sampled
 from the Anchor-phase distributions ``q_1..q_k``). When the Residual lands, one forward
-over ``t_0..t_k`` on the refined KV gives the full-precision distributions
-``p_1..p_{k+1}`` (``p_i`` predicts position ``i``; ``t_0`` is the exact first token).
+over ``t_0..t_{k-1}`` on the refined KV gives the full-precision distributions
+``p_1..p_k`` (``p_i`` predicts position ``i``; ``t_0`` is the exact first token). A
+forward over ``t_0..t_k`` also gives ``p_{k+1}``, the *bonus* row; the decode server
+does without it (its KV slot for ``t_k`` does not exist yet, and the next decode step
+samples that token from full precision anyway).
 
 * Greedy: keep the longest prefix with ``t_i == argmax p_i``, then append
-  ``argmax p_{m+1}`` (the correction, or the bonus token when all ``k`` matched).
+  ``argmax p_{m+1}`` (the correction; with the bonus row also after all ``k`` matched).
 * Sampling (temperature > 0): the speculative-sampling rule (Leviathan et al. 2023,
   Chen et al. 2023). Accept ``t_i`` with probability ``min(1, p_i(t_i) / q_i(t_i))``; at
   the first rejection sample the replacement from ``norm(max(0, p_i - q_i))``; if all
-  are accepted sample the bonus token from ``p_{k+1}``. The committed tokens are then
-  distributed exactly as if every one had been sampled from ``p``.
+  are accepted sample the bonus token from ``p_{k+1}`` when given. The committed tokens
+  are then distributed exactly as if every one had been sampled from ``p``.
 
 ``p`` and ``q`` must be the distributions the sampler would really use (after
 temperature, top-k/top-p, penalties); settings whose distribution cannot be rebuilt for
@@ -28,8 +31,8 @@ import torch
 @dataclass(frozen=True)
 class VerifyOutcome:
     """``accepted`` of the ``held`` tokens survive; ``tokens`` is what to commit: the
-    accepted held tokens followed by one token from the full-precision distribution (the
-    correction after a rejection, else the bonus token)."""
+    accepted held tokens, then the correction after a rejection (or the bonus token,
+    when the bonus row was given)."""
 
     held: int
     accepted: int
@@ -44,20 +47,24 @@ def _check(held: torch.Tensor, p: torch.Tensor) -> int:
     if held.dim() != 1 or held.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"held tokens must be a 1-D integer tensor, got {held.dtype} {held.dim()}-D")
     k = held.numel()
-    if p.dim() != 2 or p.shape[0] != k + 1:
-        raise ValueError(f"need {k + 1} full-precision rows for {k} held tokens, got shape {tuple(p.shape)}")
+    if p.dim() != 2 or p.shape[0] not in (k, k + 1) or p.shape[0] == 0:
+        raise ValueError(
+            f"need {k} or {k + 1} (with the bonus row) full-precision rows for {k} held tokens, "
+            f"got shape {tuple(p.shape)}"
+        )
     if k and (int(held.min()) < 0 or int(held.max()) >= p.shape[1]):
         raise ValueError("a held token is outside the vocabulary")
     return k
 
 
 def verify_greedy(held: torch.Tensor, full_logits: torch.Tensor) -> VerifyOutcome:
-    """Greedy acceptance. ``full_logits``: (k + 1, vocab), row i predicts position i + 1."""
+    """Greedy acceptance. ``full_logits``: (k or k + 1, vocab), row i predicts position i + 1."""
     k = _check(held, full_logits)
     target = full_logits.argmax(dim=-1)
     mismatch = (target[:k] != held).nonzero()
     m = int(mismatch[0]) if mismatch.numel() else k
-    return VerifyOutcome(held=k, accepted=m, tokens=[*held[:m].tolist(), int(target[m])])
+    tail = [int(target[m])] if m < target.numel() else []
+    return VerifyOutcome(held=k, accepted=m, tokens=[*held[:m].tolist(), *tail])
 
 
 def verify_sampling(
@@ -69,7 +76,7 @@ def verify_sampling(
     """Speculative-sampling acceptance.
 
     ``draft_probs``: (k, vocab), the Anchor-phase distribution each held token was drawn
-    from; ``full_probs``: (k + 1, vocab) from the verify pass. Rows need not be normalised
+    from; ``full_probs``: (k or k + 1, vocab) from the verify pass. Rows need not be normalised
     exactly (they are renormalised); negative or non-finite entries raise.
     """
     k = _check(held, full_probs)
@@ -87,8 +94,8 @@ def verify_sampling(
     u = torch.rand(k, generator=generator, dtype=torch.float64)
     rejected = (u * q_tok > p_tok).nonzero()  # u < p/q accepts, without dividing
     if not rejected.numel():
-        bonus = int(torch.multinomial(p[k], 1, generator=generator))
-        return VerifyOutcome(held=k, accepted=k, tokens=[*held.tolist(), bonus])
+        bonus = [int(torch.multinomial(p[k], 1, generator=generator))] if p.shape[0] > k else []
+        return VerifyOutcome(held=k, accepted=k, tokens=[*held.tolist(), *bonus])
     m = int(rejected[0])
     residual = (p[m] - q[m]).clamp_min(0)
     # p != q at a rejection, so the positive part has mass; guard float dust anyway.

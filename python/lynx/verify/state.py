@@ -49,8 +49,9 @@ SPEC_TRANSITIONS: dict[SpecState, frozenset[SpecState]] = {
 
 class ParkReason(enum.Enum):
     CAP = "cap"  # --lynx-max-speculative-tokens held
-    FINISH = "finish"  # a held token would finish the request
-    MAX_NEW_TOKENS = "max_new_tokens"
+    FINISH = "finish"  # a held token would finish the request (EOS, stop, max_new_tokens)
+    MEMORY = "memory"  # the decode batch ran out of KV space: parked instead of retracted
+    UNVERIFIABLE = "unverifiable"  # sampling settings the verify pass cannot reproduce
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""Parked speculative requests in the scheduler's view of what is alive
+(``--lynx-mode speculative``).
+
+A parked request (waiting for its Residual, out of every batch) still holds a request
+row and KV pages.
+
+Hook targets (``sglang.srt.`` omitted):
+* ``managers.scheduler.Scheduler.is_fully_idle`` AFTER: not idle while any is parked, or
+  upstream's idle memory check would count its pages as leaked (and the idle sleeper
+  would stop polling for its Residual).
+* ``managers.scheduler.Scheduler.collect_inflight_reqs`` AFTER: parked requests are in
+  flight, so an abort (and a weight-version change) reaches them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lynx_patches import lynx_speculation
+from lynx_patches._hooks import hook
+
+IS_FULLY_IDLE = "managers.scheduler.Scheduler.is_fully_idle"
+COLLECT_INFLIGHT_REQS = "managers.scheduler.Scheduler.collect_inflight_reqs"
+
+
+def _not_idle_while_parked(result: bool, *_args: Any, **_kwargs: Any) -> bool:
+    decoder = lynx_speculation.current()
+    return result and (decoder is None or not decoder.holds_kv_outside_batches())
+
+
+def _with_parked(result: set[Any], *_args: Any, **_kwargs: Any) -> set[Any]:
+    decoder = lynx_speculation.current()
+    if decoder is not None:
+        result.update(decoder.parked_requests())
+    return result
+
+
+def register() -> None:
+    hook(IS_FULLY_IDLE, _not_idle_while_parked, "after")
+    hook(COLLECT_INFLIGHT_REQS, _with_parked, "after")

@@ -1,0 +1,109 @@
+"""Talking to real prefill and decode servers directly, as the router would: the e2e
+modules' shared helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+import urllib.error
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lynx.cluster import HOST, ServerConfig, SingleServer, free_port, http_json
+
+
+class Prefill(SingleServer):
+    def __init__(self, config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> None:
+        self.bootstrap_port = free_port()
+        super().__init__(
+            config,
+            log_dir,
+            name=name,
+            args=[
+                *args,
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-transfer-backend",
+                "mooncake_tcp",
+                "--disaggregation-bootstrap-port",
+                str(self.bootstrap_port),
+            ],
+        )
+
+
+def decode_server(config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> SingleServer:
+    return SingleServer(
+        config,
+        log_dir,
+        name=name,
+        args=[*args, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake_tcp"],
+    )
+
+
+def pd_generate(
+    prefill: Prefill,
+    decode: SingleServer,
+    prompt: str,
+    max_new_tokens: int = 16,
+    rid: str | None = None,
+    sampling: dict[str, Any] | None = None,
+) -> dict:
+    """What the router does for one request: the same body, with bootstrap fields, to both
+    servers at once; the answer is decode's. Raises HTTPError with decode's error.
+    Greedy, ``max_new_tokens`` tokens whatever EOS says, unless ``sampling`` overrides."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})}
+    body: dict[str, Any] = {
+        "text": prompt,
+        "sampling_params": params,
+        "bootstrap_host": HOST,
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": random.getrandbits(62),
+    }
+    if rid is not None:
+        body["rid"] = rid
+    with ThreadPoolExecutor(2) as pool:
+        to_prefill = pool.submit(_post_ignoring_errors, prefill.url + "/generate", body)
+        answer = pool.submit(http_json, decode.url + "/generate", body, 180)
+        try:
+            return answer.result()
+        finally:
+            to_prefill.result()
+
+
+def _post_ignoring_errors(url: str, body: dict) -> None:
+    # Prefill's own answer carries nothing the client uses.
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        http_json(url, body, timeout=180)
+
+
+def error_of(call: Callable[[], object]) -> str:
+    """The error body of a request that must fail."""
+    with pytest.raises(urllib.error.HTTPError) as failure:
+        call()
+    return failure.value.read().decode(errors="replace")
+
+
+def state(server: SingleServer) -> dict:
+    return http_json(server.url + "/server_info")["internal_states"][0]
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not {what} after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def idle(server: SingleServer, kv_tokens: int | None = None) -> bool:
+    """No Lynx request in flight, no buffer byte held, and (decode) the KV pool back to
+    its idle size."""
+    s = state(server)
+    transfer = s["lynx_transfer"]
+    quiet = transfer["rooms"] == 0 and transfer["buffer_used"] == 0 and transfer.get("quarantined", 0) == 0
+    return quiet and (kv_tokens is None or s["lynx_kv_available_tokens"] == kv_tokens)
