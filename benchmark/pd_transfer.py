@@ -1,15 +1,17 @@
 """PD serving with and without Lynx: TTFT on a rate-limited link, greedy agreement, bytes.
 
-Three configurations, each a real prefill + decode pair, run one after the other so they
+Four configurations, each a real prefill + decode pair, run one after the other so they
 never share the 2 cores: plain BF16 PD (upstream's raw page copy), Lynx ``full`` (INT8:
-Anchor + Residual before decoding) and Lynx ``anchor-only`` (decode on the Anchor, the
-Residual is never sent). With ``--link RATE`` (root, iproute2) the prefill runs in network
-namespace lynx-a and the decode server and this driver in lynx-b, joined by a veth pair
-limited to RATE each way (scripts/netlink.sh): KV crosses a slow link, as in the paper.
-Requests go to both servers with the bootstrap fields the router would add.
+Anchor + Residual before decoding), Lynx ``anchor-only`` (decode on the Anchor, the
+Residual is never sent) and Lynx ``speculative`` (decode on the Anchor, hold the tokens,
+verify when the Residual lands). With ``--link RATE`` (root, iproute2) the prefill runs in
+network namespace lynx-a and the decode server and this driver in lynx-b, joined by a veth
+pair limited to RATE each way (scripts/netlink.sh): KV crosses a slow link, as in the
+paper. Requests go to both servers with the bootstrap fields the router would add.
 
 Measured per configuration:
-* TTFT (a request for one new token: prefill + KV transfer + the first decode step) of
+* TTFT and the time to the ``--ttft-gen``-th token (one streamed greedy request: prefill
+  + KV transfer + decoding; speculative mode streams only verified tokens) of
   ``--repeats`` prompts at each ``--contexts`` length, cut from real text;
 * greedy agreement with BF16 PD over ``--prompts`` real prompts of ``--prompt-tokens``
   tokens, ``--gen`` new tokens each: the share of identical outputs and of the tokens
@@ -32,6 +34,7 @@ import random
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,7 +51,9 @@ CONFIGS: dict[str, list[str]] = {
     "bf16": [],
     "lynx-full": ["--lynx"],
     "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
+    "lynx-speculative": ["--lynx", "--lynx-mode", "speculative"],
 }
+DECODE_ONLY: dict[str, list[str]] = {"lynx-speculative": ["--disable-overlap-schedule"]}
 NETNS_ENV = "LYNX_BENCH_NETNS"
 SIDES = {"prefill": ("lynx-a", "10.77.0.1"), "decode": ("lynx-b", "10.77.0.2")}
 
@@ -69,7 +74,14 @@ def prompts_from(data: Path, tokenizer: Any, n: int, tokens: int, skip: int) -> 
 class Pair:
     """A prefill and a decode server, optionally each in its namespace."""
 
-    def __init__(self, name: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        flags: list[str],
+        args: argparse.Namespace,
+        log_dir: Path,
+        decode_flags: list[str] | None = None,
+    ) -> None:
         self.bootstrap_port = free_port()
         common = ["--disable-radix-cache", "--chunked-prefill-size", str(args.chunk)]
         pd = ["--disaggregation-transfer-backend", "mooncake_tcp"]
@@ -84,7 +96,11 @@ class Pair:
                 launcher=("ip", "netns", "exec", ns) if args.link else (),
                 env={"SGLANG_HOST_IP": ip} if args.link else {},
             )
-            extra = ["--disaggregation-bootstrap-port", str(self.bootstrap_port)] if side == "prefill" else []
+            extra = (
+                ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+                if side == "prefill"
+                else (decode_flags or [])
+            )
             self.servers[side] = SingleServer(
                 config,
                 log_dir,
@@ -101,15 +117,46 @@ class Pair:
         for server in self.servers.values():
             server.stop()
 
-    def generate(self, prompt: str, max_new_tokens: int) -> tuple[dict, float]:
+    def _body(self, prompt: str, max_new_tokens: int) -> dict[str, Any]:
         host = self.servers["prefill"].url.split("//")[1].rsplit(":", 1)[0]
-        body = {
+        return {
             "text": prompt,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
             "bootstrap_host": host,
             "bootstrap_port": self.bootstrap_port,
             "bootstrap_room": random.getrandbits(62),
         }
+
+    def stream(self, prompt: str, max_new_tokens: int) -> tuple[dict, float, float]:
+        """(last chunk, seconds to the first token, seconds to the last) of a streamed request."""
+        body = self._body(prompt, max_new_tokens)
+        request = urllib.request.Request(
+            self.servers["decode"].url + "/generate",
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        first = last = None
+        chunk: dict = {}
+        start = time.perf_counter()
+        with ThreadPoolExecutor(1) as pool:
+            prefill = pool.submit(http_json, self.servers["prefill"].url + "/generate", body, 1800)
+            with urllib.request.urlopen(request, timeout=1800) as response:
+                for line in response:
+                    text = line.decode().strip()
+                    if not text.startswith("data:") or text == "data: [DONE]":
+                        continue
+                    chunk = json.loads(text.removeprefix("data:"))
+                    now = time.perf_counter() - start
+                    if first is None and chunk["output_ids"]:
+                        first = now
+                    if len(chunk["output_ids"]) >= max_new_tokens:
+                        last = now if last is None else last
+            prefill.result()
+        assert first is not None and last is not None, chunk
+        return chunk, first, last
+
+    def generate(self, prompt: str, max_new_tokens: int) -> tuple[dict, float]:
+        body = self._body(prompt, max_new_tokens)
         start = time.perf_counter()
         with ThreadPoolExecutor(2) as pool:
             prefill = pool.submit(http_json, self.servers["prefill"].url + "/generate", body, 1800)
@@ -121,20 +168,28 @@ class Pair:
 
 def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: dict[int, list[str]]) -> dict:
     log_dir = args.out / "logs"
-    result: dict[str, Any] = {"outputs": [], "ttft": {}, "bytes_per_token": None}
-    with Pair(name, CONFIGS[name], args, log_dir) as pair:
+    result: dict[str, Any] = {"outputs": [], "ttft": {}, "tn": {}, "bytes_per_token": None, "speculation": []}
+    with Pair(name, CONFIGS[name], args, log_dir, DECODE_ONLY.get(name)) as pair:
         pair.generate("warm up", 2)
         for context, prompts in ttft.items():
-            times = []
+            times, tn = [], []
             for prompt in prompts:
-                answer, seconds = pair.generate(prompt, 1)
-                times.append(seconds)
+                answer, first, last = pair.stream(prompt, args.ttft_gen)
+                times.append(first)
+                tn.append(last)
                 report = answer["meta_info"].get("lynx_transfer")
                 if report:
                     n = answer["meta_info"]["prompt_tokens"]
                     result["bytes_per_token"] = (report[0]["anchor_bytes"] + report[0]["residual_bytes"]) / n
+                    if "speculation" in report[0]:
+                        result["speculation"].append(report[0]["speculation"])
             result["ttft"][context] = times
-            print(f"  {name} ctx {context}: TTFT {[round(t, 2) for t in times]} s", flush=True)
+            result["tn"][context] = tn
+            print(
+                f"  {name} ctx {context}: TTFT {[round(t, 2) for t in times]} s, "
+                f"token {args.ttft_gen} at {[round(t, 2) for t in tn]} s",
+                flush=True,
+            )
         for prompt in agreement:
             answer, _ = pair.generate(prompt, args.gen)
             result["outputs"].append(answer["output_ids"])
@@ -158,24 +213,25 @@ def bf16_bytes_per_token(model: Path) -> float:
     return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2
 
 
-def plot(results: dict, contexts: list[int], link: str, path: Path) -> None:
+def plot(results: dict, contexts: list[int], link: str, n_tokens: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / len(results)
-    for i, (name, res) in enumerate(results.items()):
-        means = [sum(res["ttft"][c]) / len(res["ttft"][c]) for c in contexts]
-        ax.bar([j + i * width for j in range(len(contexts))], means, width, label=name)
-    ax.set_xticks(
-        [j + width * (len(results) - 1) / 2 for j in range(len(contexts))], [str(c) for c in contexts]
-    )
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title(f"PD TTFT, SmolLM2-135M on 2 CPU cores, {link} link")
-    ax.legend()
+    for ax, key, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tn", f"time to token {n_tokens} (s)")):
+        for i, (name, res) in enumerate(results.items()):
+            means = [sum(res[key][c]) / len(res[key][c]) for c in contexts]
+            ax.bar([j + i * width for j in range(len(contexts))], means, width, label=name)
+        ax.set_xticks(
+            [j + width * (len(results) - 1) / 2 for j in range(len(contexts))], [str(c) for c in contexts]
+        )
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"PD serving, SmolLM2-135M on 2 CPU cores, {link} link")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -192,6 +248,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gen", type=int, default=32)
+    parser.add_argument("--ttft-gen", type=int, default=32, help="timed requests stream this many tokens")
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -226,11 +283,21 @@ def main() -> None:
         res = results[name]
         row: dict[str, Any] = {"config": name, "bytes_per_token": res["bytes_per_token"]}
         for c in args.contexts:
-            row[f"ttft_{c}"] = sum(res["ttft"][c]) / len(res["ttft"][c])
-            if "bf16" in results and "ttft" in results["bf16"]:
-                row[f"ttft_{c}_vs_bf16"] = row[f"ttft_{c}"] / (sum(results["bf16"]["ttft"][c]) / args.repeats)
+            for key in ("ttft", "tn"):
+                label = f"{key}_{c}" if key == "ttft" else f"t{args.ttft_gen}_{c}"
+                row[label] = sum(res[key][c]) / len(res[key][c])
+                if "bf16" in results and key in results["bf16"]:
+                    row[f"{label}_vs_bf16"] = row[label] / (sum(results["bf16"][key][c]) / args.repeats)
         if reference:
             row.update(agreement_of(res["outputs"], reference))
+        if name == "lynx-speculative" and "lynx-full" in results:
+            # same INT8 KV after refinement: greedy outputs must be identical
+            row["identical_to_lynx_full"] = agreement_of(res["outputs"], results["lynx-full"]["outputs"])[
+                "identical_outputs"
+            ]
+        if res.get("speculation"):
+            held = sum(r["held"] for r in res["speculation"])
+            row["acceptance"] = sum(r["accepted"] for r in res["speculation"]) / held if held else None
         rows.append(row)
     link = args.link or "loopback"
     print(f"\nlink: {link}; {args.prompts} prompts x {args.prompt_tokens} tokens, gen {args.gen}")
@@ -241,7 +308,13 @@ def main() -> None:
         print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
     summary = {"link": args.link, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     (args.out / "pd_transfer.json").write_text(json.dumps({**summary, "raw": results}, indent=1))
-    plot({n: results[n] for n in args.configs}, args.contexts, link, args.out / "pd_transfer_ttft.png")
+    plot(
+        {n: results[n] for n in args.configs},
+        args.contexts,
+        link,
+        args.ttft_gen,
+        args.out / "pd_transfer_ttft.png",
+    )
     print(f"wrote {args.out}/pd_transfer.json and pd_transfer_ttft.png")
 
 

@@ -21,6 +21,7 @@ its top; together they are every upstream symbol Lynx touches:
   of retraction.
 * :mod:`lynx_patches.scheduler` -- parked requests count as in flight (idle check, abort).
 * :mod:`lynx_patches.logits_processor` -- logits at every position of the verify forward.
+* :mod:`lynx_patches.model_runner` -- the draft distributions of sampled held tokens.
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
 
@@ -36,6 +37,7 @@ from lynx_patches import (
     disaggregation_utils,
     internal_state,
     logits_processor,
+    model_runner,
     output_streamer,
     schedule_batch,
     scheduler,
@@ -59,5 +61,6 @@ def register() -> None:
     schedule_batch.register()
     scheduler.register()
     logits_processor.register()
+    model_runner.register()
     if is_cpu_engine():
         disaggregation_mooncake_conn.register()

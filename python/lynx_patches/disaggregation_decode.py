@@ -43,7 +43,8 @@ def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwarg
     speculating = getattr(receiver, "lynx_speculating", False)
     decoder = lynx_speculation.current()
     if speculating and decoder is not None and not req.finished():
-        decoder.admit(req, receiver.bootstrap_room, receiver.lynx_slots)
+        vocab_size = queue.scheduler.model_config.vocab_size
+        decoder.admit(req, receiver.bootstrap_room, receiver.lynx_slots, vocab_size)
         return result
     if speculating:  # finished on its first token: nothing to speculate on
         receiver.lynx_end_speculation()

@@ -18,19 +18,19 @@ request's life (``lynx.verify.state``):
   non-overlap loop is quiescent there), :meth:`SpeculativeDecoder.step` polls the
   Residuals. For each that landed: take the request out of the batch, rewrite its prompt
   KV at full precision, run ONE extend forward over ``t_0..t_{k-1}`` for all of them
-  (logits at every position), accept, free the KV of rejected positions, and hand the
-  request back to upstream's waiting queue: the prebuilt path re-admits it with its
-  committed tokens (streams them, checks the finish, seeds the next decode input), exactly
-  as upstream resumes a retracted request.
+  (logits at every position), accept, free the KV of rejected positions, check the finish
+  over the committed run, and hand the request back: upstream's prebuilt path re-admits it
+  with its committed tokens (streams them, seeds the next decode input), exactly as it
+  resumes a retracted request; a request the committed run finished is released and
+  answered right away.
 * a Residual that fails or misses its deadline, or an abort while parked: roll back to
-  ``t_0`` and re-admit with the abort set, so upstream's prebuilt path frees the KV and
-  answers the client.
+  ``t_0``, finish the request with the abort, release its KV and answer the client.
 
-Sampling settings the verify pass cannot reproduce exactly wait for the Residual instead
-of speculating (:func:`unverifiable_because`). Greedy requests are verified by argmax;
-sampled requests are not speculated on yet (they wait): the acceptance rule exists
-(:func:`lynx.verify.verify_sampling`) but the Anchor-phase distributions are not captured
-from upstream's sampler.
+Greedy requests are verified by argmax. Requests sampled at a temperature (no top-k,
+top-p or min-p) by the speculative-sampling rule: the distribution each held token was
+drawn from is kept (:mod:`lynx_patches.model_runner`), so what is committed is distributed
+exactly as full-precision sampling. Settings the verify pass cannot reproduce exactly
+wait for the Residual instead of speculating (:func:`unverifiable_because`).
 
 Imported at plugin registration, before SGLang may be imported: SGLang names are
 imported where they are used.
@@ -58,6 +58,7 @@ from lynx.verify import (
     SpeculationStats,
     kv_after_commit,
     verify_greedy,
+    verify_sampling,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,13 @@ class Speculation:
     admitted_at: float
     transfer: RoomReport | None = None
     report: SpeculationReport | None = None
+    # Sampled requests: the distribution the next token is being drawn from (set by the
+    # sampler hook, taken when the token is held).
+    pending_probs: torch.Tensor | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return self.held.draft_probs is not None
 
 
 def speculation_of(req: Any) -> Speculation | None:
@@ -99,12 +107,17 @@ def holds_tokens(req: Any) -> bool:
     return spec is not None and spec.held.state in _HOLDING and not req.finished() and len(req.output_ids) > 1
 
 
-def unverifiable_because(req: Any) -> str | None:
+def is_greedy(req: Any) -> bool:
+    return req.sampling_params.top_k == 1  # upstream's normalisation of temperature 0
+
+
+def unverifiable_because(req: Any, vocab_size: int) -> str | None:
     """Why the verify pass could not reproduce this request's token choice exactly."""
     params = req.sampling_params
-    if params.top_k != 1:
-        return "sampling (temperature > 0)"
     checks = (
+        (not is_greedy(req) and params.top_k < vocab_size, "top-k sampling"),
+        (params.top_p < 1.0, "top-p sampling"),
+        (params.min_p > 0.0, "min-p sampling"),
         (req.return_logprob, "logprobs"),
         (req.grammar is not None, "a grammar"),
         (
@@ -115,6 +128,7 @@ def unverifiable_because(req: Any) -> str | None:
         (params.logit_bias, "logit_bias"),
         (getattr(req, "custom_logit_processor", None), "a custom logit processor"),
         (getattr(req, "return_hidden_states", False), "hidden states"),
+        (getattr(req, "watermark", None) is not None, "a watermark"),
     )
     return next((name for present, name in checks if present), None)
 
@@ -129,10 +143,17 @@ def current() -> SpeculativeDecoder | None:
 
 class SpeculativeDecoder:
     def __init__(
-        self, receiver: ProgressiveReceiver, cap: int, page_size: int, metrics: TransferMetrics | None
+        self,
+        receiver: ProgressiveReceiver,
+        cap: int,
+        page_size: int,
+        metrics: TransferMetrics | None,
     ) -> None:
         global _decoder
         self.receiver = receiver
+        # The acceptance rule's coin flips; seeded from the OS, like upstream's sampler.
+        self._generator = torch.Generator()
+        self._generator.seed()
         self.cap = cap
         self.page_size = page_size
         self.metrics = metrics
@@ -144,13 +165,14 @@ class SpeculativeDecoder:
 
     # ---- from the hooks ---------------------------------------------------------------------
 
-    def admit(self, req: Any, room: int, slots: torch.Tensor) -> None:
+    def admit(self, req: Any, room: int, slots: torch.Tensor, vocab_size: int) -> None:
         """Upstream committed ``t_0``; the request's KV pages hold the Anchor."""
-        spec = Speculation(room, slots, len(req.origin_input_ids), HeldTokens(self.cap), time.monotonic())
+        held = HeldTokens(self.cap, draft_probs=None if is_greedy(req) else [])
+        spec = Speculation(room, slots, len(req.origin_input_ids), held, time.monotonic())
         setattr(req, ATTR, spec)
         self._tracked[room] = req
         self.stats.active += 1
-        reason = unverifiable_because(req)
+        reason = unverifiable_because(req, vocab_size)
         if reason is not None:
             spec.held.park(ParkReason.UNVERIFIABLE)
             self.stats.waited += 1
@@ -170,6 +192,15 @@ class SpeculativeDecoder:
             spec = speculation_of(req)
             assert spec is not None
             self._parked[spec.room] = req
+
+    def sampled_rows(self) -> dict[int, Any]:
+        """Request-pool row -> sampled request decoding on the Anchor (its draft
+        distributions are kept)."""
+        return {
+            req.kv.req_pool_idx: req
+            for req in self._tracked.values()
+            if is_speculating(req) and speculation_of(req).sampled
+        }
 
     def parked_requests(self) -> Iterable[Any]:
         return self._parked.values()
@@ -245,7 +276,8 @@ class SpeculativeDecoder:
         req.kv.kv_committed_len = req.kv.kv_allocated_len = commit.kept
 
     def _fail(self, scheduler: Any, req: Any, reason: str | None) -> None:
-        """Roll back to ``t_0`` and let upstream's prebuilt path abort the request."""
+        """Roll back to ``t_0`` and finish the request: with ``reason`` (the Residual failed)
+        or with the abort the client asked for (``req.to_finish``)."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         spec = speculation_of(req)
@@ -255,11 +287,25 @@ class SpeculativeDecoder:
         if reason is not None:
             logger.error("Lynx: request %s (room %s) failed: %s", req.rid, spec.room, reason)
             req.to_finish = FINISH_ABORT(f"Lynx: {reason}", HTTPStatus.INTERNAL_SERVER_ERROR)
+        req.update_finish_state()
         self.stats.failed += 1
         if self.metrics is not None:
             self.metrics.failed()
         self._end(spec.room, drain=reason is None)
-        scheduler.waiting_queue.append(req)
+        self._hand_back(scheduler, req)
+
+    @staticmethod
+    def _hand_back(scheduler: Any, req: Any) -> None:
+        """Back to upstream: a finished request is released and answered here, as
+        upstream's prebuilt path would (which refuses finished requests); any other
+        re-enters through the waiting queue, like a resumed retracted request."""
+        if not req.finished():
+            scheduler.waiting_queue.append(req)
+            return
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
+        scheduler.output_streamer.stream_output([req], req.return_logprob)
 
     def _verify_and_commit(self, scheduler: Any, reqs: list[Any]) -> None:
         for req in reqs:
@@ -286,7 +332,17 @@ class SpeculativeDecoder:
             if rows is None:
                 accepted, correction = 0, None
             else:
-                outcome = verify_greedy(held, rows)
+                if spec.sampled:
+                    assert spec.held.draft_probs is not None
+                    temperature = float(req.sampling_params.temperature)
+                    outcome = verify_sampling(
+                        held,
+                        torch.stack(spec.held.draft_probs).float().cpu(),
+                        torch.softmax(rows / temperature, dim=-1),
+                        generator=self._generator,
+                    )
+                else:
+                    outcome = verify_greedy(held, rows)
                 accepted = outcome.accepted
                 correction = outcome.tokens[-1] if outcome.rejected else None
             park_reason = spec.held.park_reason
@@ -308,7 +364,7 @@ class SpeculativeDecoder:
                 req.update_finish_state(len(req.output_ids) - 1)
             self._end(spec.room, drain=False)
             self._report(req, spec)
-            scheduler.waiting_queue.append(req)
+            self._hand_back(scheduler, req)
 
     def _forward(self, scheduler: Any, reqs: list[Any]) -> list[torch.Tensor]:
         """One extend forward over ``t_0..t_{k-1}`` of each request on its refined prompt

@@ -35,10 +35,13 @@ def _hold_or_defer(original: Any, req: Any, new_accepted_len: int = 1) -> Any:
     new = list(req.output_ids[1 + len(spec.held.tokens) :])
     if not new:  # the first token, from prefill: exact, its finish counts
         return original(req, new_accepted_len)
+    if len(new) != 1:
+        raise RuntimeError(f"request {req.rid}: {len(new)} tokens in one step on Anchor KV")
+    probs, spec.pending_probs = spec.pending_probs, None
+    if spec.sampled and probs is None:
+        raise RuntimeError(f"request {req.rid}: its draft distribution was not kept")
+    spec.held.hold(new[0], probs)
     result = original(req, new_accepted_len)
-    for token in new:
-        if lynx_speculation.is_speculating(req):
-            spec.held.hold(token)
     if req.finished_reason is not None:
         req.finished_reason = None
         req.finished_len = None

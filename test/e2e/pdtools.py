@@ -4,7 +4,9 @@ modules' shared helpers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
 import time
 import urllib.error
 from collections.abc import Callable
@@ -107,3 +109,10 @@ def idle(server: SingleServer, kv_tokens: int | None = None) -> bool:
     transfer = s["lynx_transfer"]
     quiet = transfer["rooms"] == 0 and transfer["buffer_used"] == 0 and transfer.get("quarantined", 0) == 0
     return quiet and (kv_tokens is None or s["lynx_kv_available_tokens"] == kv_tokens)
+
+
+def signal_group(server: SingleServer, sig: signal.Signals) -> None:
+    """Signal every process of a server (launcher, scheduler, detokenizer)."""
+    proc = server.processes[0].process
+    assert proc is not None
+    os.killpg(proc.pid, sig)

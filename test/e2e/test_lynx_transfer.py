@@ -18,7 +18,6 @@ The router path (OpenAI API, streaming) with ``--lynx`` is in test_pd_cluster.py
 from __future__ import annotations
 
 import json
-import os
 import signal
 import urllib.error
 import urllib.request
@@ -29,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from pdtools import Prefill, decode_server, error_of, idle, pd_generate, state, wait_for
+from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_group, state, wait_for
 
 from lynx.cluster import ServerConfig, SingleServer, http_json, start_together
 from lynx.codec import CodecConfig, KVLayout
@@ -191,11 +190,11 @@ def test_stalled_prefill_hits_the_deadline(servers: dict, idle_kv: dict) -> None
     pending = _in_background(lambda: pd_generate(prefill, decode, PROMPTS[3]))
     # The Anchor landed, the Residual is held on prefill: freeze prefill now.
     wait_for(lambda: state(decode)["lynx_transfer"]["anchor_bytes"] > anchors_before, "Anchor landed")
-    _signal_group(prefill, signal.SIGSTOP)
+    signal_group(prefill, signal.SIGSTOP)
     try:
         message = _failure_of(pending)
     finally:
-        _signal_group(prefill, signal.SIGCONT)
+        signal_group(prefill, signal.SIGCONT)
     assert "Residual did not land within" in message and "--lynx-transfer-deadline" in message
     wait_for(lambda: idle(prefill) and idle(decode, idle_kv["D1"]), "idle", timeout_s=5 * DEADLINE_S)
     assert len(pd_generate(prefill, decode, "Hello")["output_ids"]) == 16
@@ -230,14 +229,8 @@ def test_prefill_killed_mid_transfer_fails_only_its_request(servers: dict, idle_
 
 def _kill(server: SingleServer) -> None:
     """SIGKILL, as a crash: no graceful drain, nothing told to the peers."""
-    _signal_group(server, signal.SIGKILL)
+    signal_group(server, signal.SIGKILL)
     server.stop()
-
-
-def _signal_group(server: SingleServer, sig: signal.Signals) -> None:
-    proc = server.processes[0].process
-    assert proc is not None
-    os.killpg(proc.pid, sig)
 
 
 def test_prometheus_metrics_count_transfers_and_failures(servers: dict) -> None:

@@ -16,7 +16,7 @@ load_plugins()
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 cases = json.loads(sys.argv[1])
-results = {"patched": sorted(HookRegistry._patched), "cases": {}}
+results = {"patched": sorted(HookRegistry._patched), "registered": sorted(HookRegistry._hooks), "cases": {}}
 for name, argv in cases.items():
     os.environ.pop("LYNX_SETTINGS", None)
     try:

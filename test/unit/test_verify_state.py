@@ -42,14 +42,22 @@ def test_the_cap_parks() -> None:
 
 
 def test_commit_keeps_the_accepted_prefix_and_its_probabilities() -> None:
-    held = HeldTokens(cap=8)
+    held = HeldTokens(cap=8, draft_probs=[])
     for token in range(4):
         held.hold(token, probs=torch.full((3,), float(token)))
     held.park(ParkReason.FINISH)
     held.verifying()
     assert held.committed(accepted=2) == [2, 3]
+    assert held.draft_probs is not None
     assert held.tokens == [0, 1] and [float(p[0]) for p in held.draft_probs] == [0.0, 1.0]
     assert held.state is S.COMMITTED
+
+
+def test_sampled_and_greedy_requests_are_not_mixed() -> None:
+    with pytest.raises(ValueError, match="draft distribution"):
+        HeldTokens(cap=8).hold(1, probs=torch.ones(3))
+    with pytest.raises(ValueError, match="draft distribution"):
+        HeldTokens(cap=8, draft_probs=[]).hold(1)
 
 
 def test_residual_before_the_cap_verifies_directly() -> None:

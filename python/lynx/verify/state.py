@@ -58,14 +58,14 @@ class ParkReason(enum.Enum):
 class HeldTokens:
     """The tokens a request decoded on Anchor KV and has not released yet.
 
-    ``draft_probs`` keeps, per held token, the distribution it was sampled from (sampling
-    requests only): the acceptance rule needs it.
+    ``draft_probs`` keeps, per held token, the distribution it was sampled from (sampled
+    requests; None for greedy ones): the acceptance rule needs it.
     """
 
     cap: int
     state: SpecState = SpecState.SPECULATIVE
     tokens: list[int] = field(default_factory=list)
-    draft_probs: list[torch.Tensor] = field(default_factory=list)
+    draft_probs: list[torch.Tensor] | None = None
     park_reason: ParkReason | None = None
 
     def __post_init__(self) -> None:
@@ -81,8 +81,13 @@ class HeldTokens:
         """Record one token decoded on Anchor KV; park at the cap."""
         if self.state is not SpecState.SPECULATIVE:
             raise ValueError(f"cannot hold a token in state {self.state.value}")
+        if (probs is None) != (self.draft_probs is None):
+            raise ValueError(
+                "a sampled request holds each token with its draft distribution, a greedy one without"
+            )
         self.tokens.append(token)
-        if probs is not None:
+        if self.draft_probs is not None:
+            assert probs is not None
             self.draft_probs.append(probs)
         if len(self.tokens) >= self.cap:
             self.park(ParkReason.CAP)
@@ -101,5 +106,6 @@ class HeldTokens:
         self.move(SpecState.COMMITTED)
         dropped = self.tokens[accepted:]
         del self.tokens[accepted:]
-        del self.draft_probs[accepted:]
+        if self.draft_probs is not None:
+            del self.draft_probs[accepted:]
         return dropped

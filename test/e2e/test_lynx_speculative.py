@@ -1,0 +1,275 @@
+"""``--lynx-mode speculative`` between real prefill and decode servers: decoding on the
+Anchor, held tokens, one-pass verification, rollback, exactness, faults.
+
+The Residual arrives late on purpose (``--lynx-residual-hold``), and the Anchors are
+2-bit on a tiny random model, so held tokens are often wrong: the tests see both
+accepted and rejected speculation. Servers, started once for the module:
+
+* ``PS``/``DS``: speculative, exact residual (its output must equal plain BF16 PD);
+  ``DS`` with ``--enable-metrics``;
+* ``P0``/``D0``: plain BF16 PD without Lynx (the reference);
+* ``PI``/``DI``: speculative, INT8 residual; ``DI`` retracts every few steps
+  (``SGLANG_TEST_RETRACT``), which parks speculating requests;
+* ``PF``/``DF``: ``full`` mode, INT8 residual (the reference for ``DI``).
+
+Every decode server runs upstream's strict idle memory check and KV page invariants.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_group, state, wait_for
+
+from lynx.cluster import HOST, ServerConfig, http_json, start_together
+
+pytestmark = pytest.mark.e2e
+
+HOLD_S = 1.5
+DEADLINE_S = 6.0
+CAP = 8
+COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
+SPEC = [
+    "--lynx",
+    "--lynx-mode",
+    "speculative",
+    "--lynx-anchor-bits",
+    "2",
+    "--lynx-max-speculative-tokens",
+    str(CAP),
+    "--lynx-transfer-deadline",
+    str(DEADLINE_S),
+    "--lynx-residual-hold",
+    str(HOLD_S),
+]
+SPEC_EXACT = [*SPEC, "--lynx-residual", "exact"]
+FULL_INT8 = ["--lynx", "--lynx-anchor-bits", "2", "--lynx-transfer-deadline", str(DEADLINE_S)]
+DECODE_SPEC = ["--disable-overlap-schedule"]
+CHECKS = {"SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time " * 30,  # ~500 tokens: several prefill chunks and Lynx segments
+    "1, 2, 3, 4, 5,",
+    "In a hole in the ground there lived",
+]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
+    config = ServerConfig(model_path=tiny_model, max_total_tokens=4096, extra_args=COMMON, env=CHECKS)
+    retracting = ServerConfig(
+        model_path=tiny_model,
+        max_total_tokens=4096,
+        extra_args=COMMON,
+        env={**CHECKS, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "5"},
+    )
+    group: dict[str, Any] = {
+        "PS": Prefill(config, log_dir, "PS", SPEC_EXACT),
+        "DS": decode_server(config, log_dir, "DS", [*SPEC_EXACT, *DECODE_SPEC, "--enable-metrics"]),
+        "P0": Prefill(config, log_dir, "P0", []),
+        "D0": decode_server(config, log_dir, "D0", []),
+        "PI": Prefill(config, log_dir, "PI", SPEC),
+        "DI": decode_server(retracting, log_dir, "DI", [*SPEC, *DECODE_SPEC]),
+        "PF": Prefill(config, log_dir, "PF", FULL_INT8),
+        "DF": decode_server(config, log_dir, "DF", FULL_INT8),
+    }
+    start_together(list(group.values()))
+    try:
+        yield group
+    finally:
+        for server in group.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def idle_kv(servers: dict) -> dict[str, int]:
+    return {name: state(servers[name])["lynx_kv_available_tokens"] for name in ("DS", "DI")}
+
+
+def speculation(answer: dict) -> dict:
+    (report,) = answer["meta_info"]["lynx_transfer"]
+    return report.get("speculation") or {}
+
+
+def concurrently(calls: list[Any]) -> list[dict]:
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+# ---- exactness ---------------------------------------------------------------------------
+
+
+def test_speculative_with_exact_residual_equals_plain_bf16_pd(servers: dict, idle_kv: dict) -> None:
+    reports = []
+    for prompt in PROMPTS:
+        spec = pd_generate(servers["PS"], servers["DS"], prompt, max_new_tokens=24)
+        plain = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24)
+        assert spec["output_ids"] == plain["output_ids"], prompt[:40]
+        assert spec["meta_info"]["completion_tokens"] == 24
+        reports.append(speculation(spec))
+    print("speculation per prompt:", reports)
+    # Speculation happened, held tokens were both kept and thrown away, and yet the
+    # output is exact.
+    assert all(r["held"] > 0 for r in reports)
+    assert any(r["rejected"] for r in reports)
+    assert any(r["accepted"] > 0 for r in reports)
+    wait_for(lambda: idle(servers["DS"], idle_kv["DS"]), "idle")
+
+
+def test_speculative_equals_full_mode_under_batch_mixes(servers: dict, idle_kv: dict) -> None:
+    """Concurrent requests of different lengths and limits share decode batches with one
+    another on Anchor KV, get parked at the cap or at max_new_tokens, are verified
+    together, and some are retracted/parked by upstream's retraction drill."""
+    lengths = [24, 5, 12, 24, 3, 17]
+
+    def run(prefill: str, decode: str, prompt: str, n: int) -> Any:
+        return lambda: pd_generate(servers[prefill], servers[decode], prompt, max_new_tokens=n)
+
+    for shift in (0, 3):
+        pairs = [(PROMPTS[(i + shift) % len(PROMPTS)], n) for i, n in enumerate(lengths)]
+        spec = concurrently([run("PI", "DI", p, n) for p, n in pairs])
+        full = concurrently([run("PF", "DF", p, n) for p, n in pairs])
+        for (prompt, n), a, b in zip(pairs, spec, full, strict=True):
+            assert a["output_ids"] == b["output_ids"], (prompt[:40], n)
+            assert a["meta_info"]["completion_tokens"] == n
+    wait_for(lambda: idle(servers["DI"], idle_kv["DI"]), "idle")
+
+
+def test_a_stop_among_held_tokens_finishes_only_after_verification(servers: dict) -> None:
+    prompt = PROMPTS[1]
+    reference = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24)["output_ids"]
+    # a token first decoded on the Anchor (held), within the first CAP tokens
+    stop = next(t for i, t in enumerate(reference) if i >= 3 and t not in reference[:i])
+    sampling = {"ignore_eos": False, "stop_token_ids": [stop]}
+    spec = pd_generate(servers["PS"], servers["DS"], prompt, max_new_tokens=24, sampling=sampling)
+    plain = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24, sampling=sampling)
+    assert spec["output_ids"] == plain["output_ids"]
+    assert spec["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert spec["meta_info"]["completion_tokens"] == plain["meta_info"]["completion_tokens"]
+    assert speculation(spec)["held"] > 0
+
+
+def test_streaming_sends_only_committed_tokens(servers: dict) -> None:
+    prompt = PROMPTS[4]
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+        "bootstrap_host": HOST,
+        "bootstrap_port": servers["PS"].bootstrap_port,
+        "bootstrap_room": random.getrandbits(62),
+    }
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(http_json, servers["PS"].url + "/generate", {**body, "stream": False}, 180)
+        request = urllib.request.Request(
+            servers["DS"].url + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        chunks = []
+        with urllib.request.urlopen(request, timeout=180) as response:
+            for line in response:
+                text = line.decode().strip()
+                if text.startswith("data:") and text != "data: [DONE]":
+                    chunks.append(json.loads(text.removeprefix("data:")))
+    plain = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24)["output_ids"]
+    # Each chunk carries the output so far: never a token that is later withdrawn.
+    assert chunks and chunks[-1]["output_ids"] == plain
+    for chunk in chunks:
+        assert plain[: len(chunk["output_ids"])] == chunk["output_ids"], chunk["output_ids"]
+    assert len(chunks[0]["output_ids"]) == 1  # the exact first token went out before verification
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+
+def test_sampled_requests_speculate_and_unverifiable_ones_wait(servers: dict, idle_kv: dict) -> None:
+    sampled = pd_generate(
+        servers["PS"], servers["DS"], PROMPTS[2], max_new_tokens=16, sampling={"temperature": 0.8}
+    )
+    assert sampled["meta_info"]["completion_tokens"] == 16
+    assert speculation(sampled)["held"] > 0
+    before = state(servers["DS"])["lynx_transfer"]["speculation"]["waited"]
+    top_p = pd_generate(
+        servers["PS"],
+        servers["DS"],
+        PROMPTS[2],
+        max_new_tokens=16,
+        sampling={"temperature": 0.8, "top_p": 0.5},
+    )
+    assert top_p["meta_info"]["completion_tokens"] == 16
+    assert speculation(top_p)["held"] == 0
+    assert state(servers["DS"])["lynx_transfer"]["speculation"]["waited"] == before + 1
+    wait_for(lambda: idle(servers["DS"], idle_kv["DS"]), "idle")
+
+
+# ---- faults ------------------------------------------------------------------------------
+
+
+def test_abort_while_speculating_frees_everything(servers: dict, idle_kv: dict) -> None:
+    rid = f"abort-{random.getrandbits(32)}"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(pd_generate, servers["PS"], servers["DS"], PROMPTS[3], 64, rid)
+        wait_for(
+            lambda: state(servers["DS"])["lynx_transfer"]["speculation"]["active"] > 0, "speculating", 30
+        )
+        http_json(servers["DS"].url + "/abort_request", {"rid": rid})
+        try:
+            answer = pending.result()
+            assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+            # the client never sees a held (unverified) token
+            assert answer["meta_info"]["completion_tokens"] <= 1
+        except urllib.error.HTTPError:
+            pass
+    wait_for(lambda: idle(servers["DS"], idle_kv["DS"]), "idle after the abort")
+    assert pd_generate(servers["PS"], servers["DS"], PROMPTS[0])["meta_info"]["completion_tokens"] == 16
+
+
+def test_a_residual_that_never_lands_fails_only_its_request(servers: dict, idle_kv: dict) -> None:
+    prefill = servers["PS"]
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(error_of, lambda: pd_generate(prefill, servers["DS"], PROMPTS[3], 32))
+        wait_for(
+            lambda: state(servers["DS"])["lynx_transfer"]["speculation"]["active"] > 0, "speculating", 30
+        )
+        signal_group(prefill, signal.SIGSTOP)  # the Residual write is being held: it never lands
+        try:
+            error = pending.result(timeout=120)
+        finally:
+            signal_group(prefill, signal.SIGCONT)
+    assert "Residual did not land" in error, error
+    wait_for(
+        lambda: idle(servers["DS"], idle_kv["DS"]), "idle after the deadline", timeout_s=3 * DEADLINE_S + 30
+    )
+    assert pd_generate(prefill, servers["DS"], PROMPTS[0])["meta_info"]["completion_tokens"] == 16
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+def test_speculation_is_counted(servers: dict) -> None:
+    stats = state(servers["DS"])["lynx_transfer"]["speculation"]
+    assert stats["held_tokens"] > stats["accepted_tokens"] > 0
+    assert stats["rejections"] > 0 and stats["verify_passes"] > 0
+    assert 0 < stats["acceptance_rate"] < 1
+    assert stats["failed"] >= 1  # the Residual that never landed
+    with urllib.request.urlopen(servers["DS"].url + "/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    for name in (
+        "lynx_held_tokens",
+        "lynx_accepted_tokens",
+        "lynx_verify_seconds",
+        "lynx_anchor_to_commit_seconds",
+    ):
+        assert name in metrics, name
