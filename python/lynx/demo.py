@@ -2,13 +2,14 @@
 
     python -m lynx.demo                       # SmolLM2-135M-Instruct, KV over Mooncake TCP
     python -m lynx.demo --model tiny          # a random tiny Llama, starts faster
-    python -m lynx.demo --lynx-args "--lynx --lynx-mode anchor-only"
+    python -m lynx.demo --lynx-args "--lynx --lynx-mode full"
     python -m lynx.demo --lynx-args ""        # plain upstream PD, for comparison
 
-It prepares the model if needed, starts the three processes, sends one OpenAI chat
-completion through the router (streamed, to measure the time to the first token), prints
-the answer, the TTFT and the KV bytes Lynx moved, and stops everything, also on Ctrl-C or
-a failed start.
+It prepares the model if needed, starts the three processes (Lynx speculative mode by
+default; the decode server then gets ``--disable-overlap-schedule``, which that mode
+needs), sends one OpenAI chat completion through the router (streamed, to measure the
+time to the first token), prints the answer, the TTFT, the KV bytes Lynx moved and what
+speculation did, and stops everything, also on Ctrl-C or a failed start.
 """
 
 from __future__ import annotations
@@ -77,6 +78,18 @@ def chat_once(base_url: str, prompt: str, max_tokens: int) -> ChatResult:
     return ChatResult("".join(parts), ttft if ttft is not None else float("nan"), total, usage_tokens)
 
 
+def lynx_mode(lynx_args: list[str]) -> str | None:
+    """The ``--lynx-mode`` in a flag list (``full`` if only ``--lynx``), None without ``--lynx``."""
+    if "--lynx" not in lynx_args:
+        return None
+    for i, arg in enumerate(lynx_args):
+        if arg.startswith("--lynx-mode="):
+            return arg.split("=", 1)[1]
+        if arg == "--lynx-mode" and i + 1 < len(lynx_args):
+            return lynx_args[i + 1]
+    return "full"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lynx.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
@@ -91,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="serve on CUDA instead of the CPU engine")
     parser.add_argument(
         "--lynx-args",
-        default="--lynx",
-        help='flags for both servers (default "--lynx"; "" for plain upstream PD)',
+        default="--lynx --lynx-mode speculative",
+        help='flags for both servers (default "--lynx --lynx-mode speculative"; "" for plain upstream PD)',
     )
     args = parser.parse_args(argv)
 
@@ -103,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model}")
     print(f"logs:  {log_dir.resolve()}/{{prefill,decode,router}}.log")
     try:
-        with terminate_on_sigterm(), PDCluster(config, log_dir) as cluster:
+        decode_args = ["--disable-overlap-schedule"] if lynx_mode(lynx_args) == "speculative" else []
+        with terminate_on_sigterm(), PDCluster(config, log_dir, decode_args=decode_args) as cluster:
             print(f"router: {cluster.url} (prefill {cluster.prefill_url}, decode {cluster.decode_url})")
             result = chat_once(cluster.url, args.prompt, args.max_tokens)
             print(f"\nprompt: {args.prompt}\nanswer: {result.answer.strip()}\n")
@@ -119,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"Lynx KV received by decode: Anchor {anchor:.0f} KiB, Residual {residual:.0f} KiB"
                     " (with the start-up check's request)"
                 )
+                spec = transfer.get("speculation")
+                if spec:
+                    print(
+                        f"Lynx speculation: {spec['requests']} request(s) decoded on the Anchor, "
+                        f"{spec['held_tokens']} tokens held, {spec['accepted_tokens']} accepted "
+                        "(0 held: the Residual landed before decoding started; on a slow link it "
+                        "does not)"
+                    )
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

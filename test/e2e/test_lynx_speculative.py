@@ -136,6 +136,7 @@ def test_speculative_equals_full_mode_under_batch_mixes(servers: dict, idle_kv: 
     def run(prefill: str, decode: str, prompt: str, n: int) -> Any:
         return lambda: pd_generate(servers[prefill], servers[decode], prompt, max_new_tokens=n)
 
+    parked = []
     for shift in (0, 3):
         pairs = [(PROMPTS[(i + shift) % len(PROMPTS)], n) for i, n in enumerate(lengths)]
         spec = concurrently([run("PI", "DI", p, n) for p, n in pairs])
@@ -143,6 +144,10 @@ def test_speculative_equals_full_mode_under_batch_mixes(servers: dict, idle_kv: 
         for (prompt, n), a, b in zip(pairs, spec, full, strict=True):
             assert a["output_ids"] == b["output_ids"], (prompt[:40], n)
             assert a["meta_info"]["completion_tokens"] == n
+            parked.append(speculation(a).get("park_reason"))
+    print("park reasons:", parked)
+    # at the cap, at max_new_tokens, and when upstream's retraction drill hit the batch
+    assert {"cap", "finish", "memory"} <= set(parked)
     wait_for(lambda: idle(servers["DI"], idle_kv["DI"]), "idle")
 
 

@@ -1,9 +1,11 @@
 """A real prefill + decode + router on the CPU, against single servers on the same model.
 
-Servers in this module: the PD cluster (with ``--lynx``), a single server with the plugin
-loaded but no ``--lynx``, and a single server with the plugin not loaded at all
-(``SGLANG_PLUGINS`` names no plugin; only the ``sgl_kernel`` stand-in is on the path,
-without which upstream cannot start on the CPU).
+Servers in this module: the PD cluster (``--lynx-mode speculative`` with the exact
+residual, arriving late: decode starts on 2-bit Anchors and verifies), a single server
+with the plugin loaded but no ``--lynx``, and a single server with the plugin not loaded
+at all (``SGLANG_PLUGINS`` names no plugin; only the ``sgl_kernel`` stand-in is on the
+path, without which upstream cannot start on the CPU). Through the router, with OpenAI
+streaming, the client must see exactly what the single server answers.
 """
 
 from __future__ import annotations
@@ -24,8 +26,20 @@ pytestmark = pytest.mark.e2e
 
 # Small chunks make prefill send several chunks per request, as long prompts do.
 CHUNK = ["--chunked-prefill-size", "128"]
-# The exact residual: Lynx's full mode must then answer exactly what plain BF16 serving does.
-LYNX = ["--lynx", "--lynx-anchor-bits", "3", "--lynx-group-size", "64", "--lynx-residual", "exact"]
+# The exact residual: Lynx must then answer exactly what plain BF16 serving does.
+LYNX = [
+    "--lynx",
+    "--lynx-mode",
+    "speculative",
+    "--lynx-anchor-bits",
+    "2",
+    "--lynx-group-size",
+    "64",
+    "--lynx-residual",
+    "exact",
+    "--lynx-residual-hold",
+    "1",
+]
 PROMPTS = [
     "Hello",
     "The capital of France is",
@@ -40,7 +54,9 @@ PROMPTS = [
 def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict]:
     config = ServerConfig(model_path=tiny_model, max_total_tokens=8192, extra_args=CHUNK)
     group = {
-        "pd": PDCluster(config, log_dir, prefill_args=LYNX, decode_args=LYNX),
+        "pd": PDCluster(
+            config, log_dir, prefill_args=LYNX, decode_args=[*LYNX, "--disable-overlap-schedule"]
+        ),
         "plugin": SingleServer(config, log_dir, name="single-plugin"),
         "upstream": SingleServer(
             config,
@@ -69,14 +85,19 @@ def generate(url: str, prompt: str, max_new_tokens: int = 24) -> dict:
 
 def test_completions_through_router(servers: dict) -> None:
     client = OpenAI(base_url=servers["pd"].url + "/v1", api_key="unused")
-    result = client.completions.create(model="default", prompt="Hello there", max_tokens=12, temperature=0)
-    assert result.usage.completion_tokens == 12
-    assert result.choices[0].finish_reason == "length"
-    streamed = client.completions.create(
-        model="default", prompt="Hello there", max_tokens=12, temperature=0, stream=True
-    )
-    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
-    assert text == result.choices[0].text
+    single = OpenAI(base_url=servers["plugin"].url + "/v1", api_key="unused")
+    for prompt in ("Hello there", PROMPTS[3]):
+        result = client.completions.create(model="default", prompt=prompt, max_tokens=20, temperature=0)
+        assert result.usage.completion_tokens == 20
+        assert result.choices[0].finish_reason == "length"
+        expected = single.completions.create(model="default", prompt=prompt, max_tokens=20, temperature=0)
+        assert result.choices[0].text == expected.choices[0].text
+        streamed = client.completions.create(
+            model="default", prompt=prompt, max_tokens=20, temperature=0, stream=True
+        )
+        # Held tokens are never streamed, so the pieces add up to the exact answer.
+        text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+        assert text == expected.choices[0].text
 
 
 def test_chat_completions_through_router(servers: dict) -> None:
@@ -114,6 +135,7 @@ def test_lynx_pd_greedy_output_equals_single_server(servers: dict) -> None:
         assert len(pd["output_ids"]) == 24
         report = pd["meta_info"]["lynx_transfer"][0]  # the KV really came through Lynx
         assert report["anchor_bytes"] > 0 and report["residual_bytes"] > 0
+        assert report["speculation"]["held"] > 0  # and decoding started on the Anchor
 
 
 def test_server_without_lynx_behaves_like_upstream(servers: dict) -> None:
@@ -136,5 +158,6 @@ def test_lynx_settings_reach_both_schedulers(servers: dict) -> None:
     for url in (servers["pd"].prefill_url, servers["pd"].decode_url):
         with urllib.request.urlopen(url + "/server_info", timeout=30) as response:
             state = json.loads(response.read())["internal_states"][0]
-        assert state["lynx"]["anchor_bits"] == 3
+        assert state["lynx"]["anchor_bits"] == 2
+        assert state["lynx"]["mode"] == "speculative"
         assert state["lynx"]["group_size"] == 64

@@ -261,3 +261,28 @@ def test_a_second_accept_is_harmless() -> None:
     t = tracker("full")
     t.on_notice(accept(local()), PEER, now=1.0)
     assert t.state is S.ACCEPTED
+
+
+
+def test_residual_verdict_after_decoding_on_the_anchor() -> None:
+    """Speculative mode: decoding started on the Anchor; the Residual then lands, fails,
+    or misses the deadline (counted from the first token)."""
+
+    def started() -> ReceiveTracker:
+        t = tracker("speculative")
+        t.on_notice(landed(Stream.ANCHOR), PEER, now=0.6)
+        assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.DECODE
+        return t
+
+    t = started()
+    assert t.residual_verdict(now=5.0) is Verdict.WAIT
+    t.on_notice(landed(Stream.RESIDUAL, 400), PEER, now=5.5)
+    assert t.residual_verdict(now=5.5) is Verdict.DECODE
+    t = started()
+    assert t.residual_verdict(now=1.0 + DEADLINE + 0.1) is Verdict.FAIL
+    assert t.error is not None and f"Residual did not land within {DEADLINE:g}s" in t.error
+    t = started()
+    t.on_notice(landed(Stream.RESIDUAL, 0, ok=False, text="lane down"), PEER, now=2.0)
+    assert t.residual_verdict(now=2.0) is Verdict.FAIL
+    with pytest.raises(ValueError, match="before the first token"):
+        tracker("speculative").residual_verdict(now=0.0)

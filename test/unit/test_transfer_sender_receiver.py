@@ -151,6 +151,7 @@ class Pair:
         page_size: int = 1,
         quarantine_s: float | None = None,
         landed_delay_s: float = 0.0,
+        residual_hold_s: float = 0.0,
     ) -> None:
         codec = codec or CodecConfig()
         self.landed_delay_s = landed_delay_s
@@ -182,6 +183,7 @@ class Pair:
             lane_config=LaneConfig(low_chunk_s=None, low_chunk_bytes=16 << 10, low_chunk_min_bytes=4 << 10),
             notify=self._notify,
             on_failure=self._on_failure,
+            hold_s=(0.0, residual_hold_s),
         )
 
     def _notify(self, endpoint: tuple[str, int], frames: list[bytes]) -> None:
@@ -439,6 +441,27 @@ def test_anchor_only_sends_no_residual_and_decodes_the_anchor(pairs: Callable[..
     wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
     assert pair.sender.stats().residual_bytes == 0
     assert (pair.receiver.stats().residual_bytes, pair.receiver.stats().buffer_used) == (0, 0)
+
+
+def test_speculative_decodes_the_anchor_then_refines_in_place(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(mode="speculative", residual_hold_s=2.0)
+    offer = pair.offer(room=13)
+    pages = pair.pages(seed=9)
+    pair.send(13, offer, pages, [N_TOKENS])
+    pair.wait_verdict(13, Verdict.DECODE)  # the Anchor is enough to start
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.residual_verdict(13)[0] is Verdict.WAIT
+    assert pair.receiver.decode(13, dst) is False
+    assert pair.receiver.decode(13, dst) is False  # nothing new landed: no rewrite
+    rows = pair.prefill_rows(torch.as_tensor(pages))
+    assert_rows_equal(pair.decode_rows(dst), reference_rows(rows, CodecConfig(), residual=False))
+    wait_for(lambda: pair.receiver.residual_verdict(13)[0] is Verdict.DECODE, "the Residual")
+    assert pair.receiver.decode(13, dst) is True  # refined in place
+    assert_rows_equal(pair.decode_rows(dst), reference_rows(rows, CodecConfig(), residual=True))
+    assert pair.receiver.decode(13, dst) is True
+    report = pair.receiver.forget(13)
+    assert report is not None and report.residual_latency_s is not None and report.residual_latency_s >= 2.0
+    assert pair.receiver.stats().buffer_used == 0
 
 
 def test_two_requests_at_once_land_in_their_own_space(pairs: Callable[..., Pair]) -> None:
