@@ -52,7 +52,9 @@ def test_failed_start_reports_the_log_and_leaves_nothing_running(tiny_model: Pat
 def test_ctrl_c_during_start_stops_every_server(tiny_model: Path, tmp_path: Path) -> None:
     model = _unique_model(tiny_model, tmp_path)
     log_dir = tmp_path / "logs"
-    proc = _demo(model, log_dir)
+    # Prefill holds every Anchor 30 s, so the start-up check's request (part of the start)
+    # cannot finish before Ctrl-C arrives, however fast the servers come up.
+    proc = _demo(model, log_dir, "--lynx-args", "--lynx --lynx-mode speculative --lynx-anchor-hold 30")
     deadline = time.monotonic() + 300
     while len(_processes_mentioning(str(model))) < 3:  # demo + prefill + decode at least
         assert time.monotonic() < deadline, "servers never started"

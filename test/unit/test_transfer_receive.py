@@ -263,7 +263,6 @@ def test_a_second_accept_is_harmless() -> None:
     assert t.state is S.ACCEPTED
 
 
-
 def test_residual_verdict_after_decoding_on_the_anchor() -> None:
     """Speculative mode: decoding started on the Anchor; the Residual then lands, fails,
     or misses the deadline (counted from the first token)."""
