@@ -142,6 +142,7 @@ def check_server_compatibility(
     disaggregation_mode: str,
     transfer_backend: str,
     disable_overlap_schedule: bool = False,
+    tp_size: int = 1,
 ) -> None:
     """Refuse server settings Lynx cannot run under, with the flag to change."""
     if disaggregation_mode not in PD_MODES:
@@ -155,6 +156,10 @@ def check_server_compatibility(
         raise LynxSettingsError(
             "--lynx-mode speculative needs --disable-overlap-schedule on the decode server"
         )
+    if settings.mode == "speculative" and disaggregation_mode == "decode" and tp_size > 1:
+        # Each rank would see its Residual land in a different iteration and verify a
+        # different batch; the verdicts are not all-reduced yet.
+        raise LynxSettingsError("--lynx-mode speculative supports --tp-size 1 on the decode server for now")
     if transfer_backend not in TRANSFER_BACKENDS:
         raise LynxSettingsError(
             "--lynx transfers KV over the Mooncake Transfer Engine: pass "

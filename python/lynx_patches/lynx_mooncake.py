@@ -179,7 +179,11 @@ class LynxKVManager(MooncakeKVManager):
         stats = {} if side is None else vars(side.stats())
         if self.lynx_speculation is not None:
             spec = self.lynx_speculation.stats
-            stats["speculation"] = {**vars(spec), "acceptance_rate": spec.acceptance_rate}
+            stats["speculation"] = {
+                **vars(spec),
+                "acceptance_rate": spec.acceptance_rate,
+                "agreement_rate": spec.agreement_rate,
+            }
         return stats
 
     def teardown(self) -> None:

@@ -56,6 +56,7 @@ from lynx.verify import (
     SpecState,
     SpeculationReport,
     SpeculationStats,
+    greedy_agreement,
     kv_after_commit,
     verify_greedy,
     verify_sampling,
@@ -329,6 +330,7 @@ class SpeculativeDecoder:
                 raise RuntimeError(f"request {req.rid}: held tokens out of step with its output")
             held = torch.tensor(spec.held.tokens, dtype=torch.int64)
             rows = by_req.get(id(req))
+            agreed = None
             if rows is None:
                 accepted, correction = 0, None
             else:
@@ -343,6 +345,7 @@ class SpeculativeDecoder:
                     )
                 else:
                     outcome = verify_greedy(held, rows)
+                    agreed = greedy_agreement(held, rows)
                 accepted = outcome.accepted
                 correction = outcome.tokens[-1] if outcome.rejected else None
             park_reason = spec.held.park_reason
@@ -351,6 +354,7 @@ class SpeculativeDecoder:
             spec.report = SpeculationReport(
                 held=held.numel(),
                 accepted=accepted,
+                agreed=agreed,
                 rejected=correction is not None,
                 park_reason=None if park_reason is None else park_reason.value,
                 anchor_to_commit_s=time.monotonic() - spec.admitted_at,

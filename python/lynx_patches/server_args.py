@@ -124,6 +124,7 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
                 disaggregation_mode=args.disaggregation_mode,
                 transfer_backend=args.disaggregation_transfer_backend,
                 disable_overlap_schedule=bool(getattr(args, "disable_overlap_schedule", False)),
+                tp_size=int(getattr(args, "tp_size", 1) or 1),
             )
     except LynxSettingsError as exc:
         raise SystemExit(f"sglang-lynx: error: {exc}") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lynx.verify import VerifyOutcome, verify_greedy, verify_sampling
+from lynx.verify import VerifyOutcome, greedy_agreement, verify_greedy, verify_sampling
 
 VOCAB = 6
 
@@ -127,3 +127,13 @@ def test_a_wrong_rule_is_caught_by_the_same_statistic() -> None:
     q0 = torch.tensor([0.10, 0.10, 0.30, 0.30, 0.10, 0.10], dtype=torch.float64)
     counts = torch.bincount(torch.multinomial(q0, 10_000, replacement=True, generator=gen), minlength=VOCAB)
     assert _chi_square(counts.double(), p0) > 500
+
+
+def test_greedy_agreement_counts_every_matching_position() -> None:
+    held = torch.tensor([1, 2, 3, 4])
+    # the second held token is wrong; the later ones agree with full precision anyway
+    assert greedy_agreement(held, logits_with_argmax([1, 5, 3, 4])) == 3
+    assert (
+        greedy_agreement(held, logits_with_argmax([1, 5, 3, 4, 0])) == 3
+    )  # the bonus row is not a held token
+    assert verify_greedy(held, logits_with_argmax([1, 5, 3, 4])).accepted == 1

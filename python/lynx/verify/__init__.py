@@ -6,7 +6,7 @@
 :mod:`lynx.verify.stats`: what speculation did, per request and per server.
 """
 
-from lynx.verify.acceptance import VerifyOutcome, verify_greedy, verify_sampling
+from lynx.verify.acceptance import VerifyOutcome, greedy_agreement, verify_greedy, verify_sampling
 from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
 from lynx.verify.stats import SpeculationReport, SpeculationStats
@@ -20,6 +20,7 @@ __all__ = [
     "SpeculationReport",
     "SpeculationStats",
     "VerifyOutcome",
+    "greedy_agreement",
     "kv_after_commit",
     "verify_greedy",
     "verify_sampling",

@@ -67,6 +67,14 @@ def verify_greedy(held: torch.Tensor, full_logits: torch.Tensor) -> VerifyOutcom
     return VerifyOutcome(held=k, accepted=m, tokens=[*held[:m].tolist(), *tail])
 
 
+def greedy_agreement(held: torch.Tensor, full_logits: torch.Tensor) -> int:
+    """How many held tokens equal the full-precision argmax at their position, given the
+    held tokens before them (teacher-forced on the draft): a per-token measure of how
+    close Anchor decoding is, where acceptance stops at the first miss."""
+    k = _check(held, full_logits)
+    return int((full_logits[:k].argmax(dim=-1) == held).sum())
+
+
 def verify_sampling(
     held: torch.Tensor,
     draft_probs: torch.Tensor,
