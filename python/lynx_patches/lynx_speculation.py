@@ -173,6 +173,10 @@ class SpeculativeDecoder:
         setattr(req, ATTR, spec)
         self._tracked[room] = req
         self.stats.active += 1
+        # A streamed response carries request-level info with its first token only (now);
+        # a non-streamed one gets the full report at the end.
+        spec.transfer = self.receiver.report(room)
+        self._report(req, spec)
         reason = unverifiable_because(req, vocab_size)
         if reason is not None:
             spec.held.park(ParkReason.UNVERIFIABLE)

@@ -451,6 +451,8 @@ def test_speculative_decodes_the_anchor_then_refines_in_place(pairs: Callable[..
     pair.wait_verdict(13, Verdict.DECODE)  # the Anchor is enough to start
     dst = torch.arange(N_TOKENS)
     assert pair.receiver.residual_verdict(13)[0] is Verdict.WAIT
+    so_far = pair.receiver.report(13)
+    assert so_far is not None and so_far.anchor_bytes > 0 and so_far.residual_bytes == 0
     assert pair.receiver.decode(13, dst) is False
     assert pair.receiver.decode(13, dst) is False  # nothing new landed: no rewrite
     rows = pair.prefill_rows(torch.as_tensor(pages))

@@ -225,18 +225,13 @@ class ProgressiveReceiver:
                     self._arena.free(state.offset)
                 else:  # prefill may still write into it
                     self._quarantine[room] = (state.offset, time.monotonic() + self._quarantine_s)
-        offered = tracker.offered_at
+        return _report_of(tracker)
 
-        def latency(stream: Stream) -> float | None:
-            at = tracker.landed_at.get(stream)
-            return None if at is None or offered is None else at - offered
-
-        return RoomReport(
-            tracker.landed.get(Stream.ANCHOR, 0),
-            tracker.landed.get(Stream.RESIDUAL, 0),
-            latency(Stream.ANCHOR),
-            latency(Stream.RESIDUAL),
-        )
+    def report(self, room: int) -> RoomReport | None:
+        """What the request's transfer cost so far (it keeps its receive space)."""
+        with self._lock:
+            state = self._rooms.get(room)
+            return None if state is None else _report_of(state.tracker)
 
     def stats(self) -> ReceiverStats:
         self._expire_quarantine()
@@ -258,3 +253,18 @@ class ProgressiveReceiver:
                 if now >= expiry:
                     del self._quarantine[room]
                     self._arena.free(offset)
+
+
+def _report_of(tracker: ReceiveTracker) -> RoomReport:
+    offered = tracker.offered_at
+
+    def latency(stream: Stream) -> float | None:
+        at = tracker.landed_at.get(stream)
+        return None if at is None or offered is None else at - offered
+
+    return RoomReport(
+        tracker.landed.get(Stream.ANCHOR, 0),
+        tracker.landed.get(Stream.RESIDUAL, 0),
+        latency(Stream.ANCHOR),
+        latency(Stream.RESIDUAL),
+    )
