@@ -27,12 +27,19 @@ def _unique_model(tiny_model: Path, tmp_path: Path) -> Path:
     return link
 
 
+def _interactive() -> None:
+    # A shell starts background jobs (`scripts/test.sh &`) with SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler; the demo is run from a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _demo(model: Path, log_dir: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "lynx.demo", "--model", str(model), "--log-dir", str(log_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interactive,
     )
 
 
