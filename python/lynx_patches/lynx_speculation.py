@@ -264,13 +264,12 @@ class SpeculativeDecoder:
 
     # ---- outcomes ---------------------------------------------------------------------------
 
-    def _commit(self, scheduler: Any, req: Any, output_len: int, correction: int | None) -> None:
-        """Keep ``t_0`` and the first ``output_len - 1 - (correction is not None)`` held
-        tokens (+ the correction); free the KV of the rest."""
+    def _commit(self, scheduler: Any, req: Any, accepted: int, correction: int | None) -> None:
+        """Keep ``t_0``, the first ``accepted`` held tokens and the correction (if any);
+        free the KV of the rest."""
         spec = speculation_of(req)
         assert spec is not None
-        keep = output_len - (correction is not None)
-        del req.output_ids[keep:]
+        del req.output_ids[1 + accepted :]
         if correction is not None:
             req.output_ids.append(correction)
         commit = kv_after_commit(
@@ -287,7 +286,7 @@ class SpeculativeDecoder:
 
         spec = speculation_of(req)
         assert spec is not None
-        self._commit(scheduler, req, 1, None)
+        self._commit(scheduler, req, 0, None)
         spec.held.move(SpecState.FAILED)
         if reason is not None:
             logger.error("Lynx: request %s (room %s) failed: %s", req.rid, spec.room, reason)
@@ -313,12 +312,20 @@ class SpeculativeDecoder:
         scheduler.output_streamer.stream_output([req], req.return_logprob)
 
     def _verify_and_commit(self, scheduler: Any, reqs: list[Any]) -> None:
+        refined = []
         for req in reqs:
             spec = speculation_of(req)
             assert spec is not None
             spec.held.verifying()
-            refined = self.receiver.decode(spec.room, spec.slots)
-            assert refined, f"room {spec.room}: the Residual landed but the KV was not refined"
+            try:
+                if not self.receiver.decode(spec.room, spec.slots):
+                    raise RuntimeError("the Residual landed but the KV was not refined")
+            except Exception as exc:  # corrupt bytes or a Lynx bug: this request fails, not the server
+                logger.exception("Lynx: room %s: refining its KV failed", spec.room)
+                self._fail(scheduler, req, f"refining the received KV failed: {exc}")
+                continue
+            refined.append(req)
+        reqs = refined
         drafted = [req for req in reqs if len(req.output_ids) > 1]
         started = time.monotonic()
         logits = self._forward(scheduler, drafted) if drafted else []
@@ -354,7 +361,7 @@ class SpeculativeDecoder:
                 correction = outcome.tokens[-1] if outcome.rejected else None
             park_reason = spec.held.park_reason
             spec.held.committed(accepted)
-            self._commit(scheduler, req, 1 + accepted + (correction is not None), correction)
+            self._commit(scheduler, req, accepted, correction)
             spec.report = SpeculationReport(
                 held=held.numel(),
                 accepted=accepted,
