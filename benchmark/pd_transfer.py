@@ -43,7 +43,7 @@ from bench_texts import DOCS, MODEL_DIR, PLAYS
 from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
-from lynx.cluster import ServerConfig, SingleServer, free_port, http_json
+from lynx.tools.cluster import ServerConfig, SingleServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [*BASE_TEXTS, f"{DOCS}/tutorial/classes.rst.txt", f"{PLAYS}/othello_gut.txt"]

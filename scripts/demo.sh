@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install everything (idempotent), then run the main job: prefill + decode + router on
 # loopback serving SmolLM2-135M-Instruct, one chat completion, TTFT, clean shutdown.
-# Extra arguments go to `python -m lynx.demo` (see --help).
+# Extra arguments go to `python -m lynx.tools.demo` (see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
-exec .venv/bin/python -m lynx.demo "$@"
+exec .venv/bin/python -m lynx.tools.demo "$@"

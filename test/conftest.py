@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx import models
+from lynx.tools import models
 
 
 @pytest.fixture(scope="session")

@@ -15,16 +15,14 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from lynx.codec import CodecConfig, CodecInputError
 from lynx.codec.format import KeyLayout
 from lynx.codec.format import Residual as ResidualMode
+from lynx.mode import Mode
 
 SETTINGS_ENV = "LYNX_SETTINGS"
 
-LynxMode = Literal["full", "anchor-only", "speculative"]
-MODES: tuple[LynxMode, ...] = ("full", "anchor-only", "speculative")
 PD_MODES = ("prefill", "decode")
 # "mooncake_tcp" is upstream's spelling for Mooncake with the TCP transport forced.
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
@@ -42,19 +40,20 @@ _CODEC_DEFAULTS = CodecConfig()
 class LynxSettings:
     """What ``--lynx`` and the ``--lynx-*`` flags ask for.
 
-    ``mode`` decides when decoding starts: ``full`` waits for Anchor and Residual,
-    ``anchor-only`` decodes on the Anchor and never sends the Residual, ``speculative``
-    decodes on the Anchor and verifies when the Residual lands.  The codec fields are
-    :class:`lynx.codec.CodecConfig`'s, validated there.
+    ``mode`` is a :class:`lynx.mode.Mode` (given by name, e.g. from JSON).  The codec
+    fields are :class:`lynx.codec.CodecConfig`'s, validated there.
     """
 
-    mode: LynxMode = "full"
+    mode: Mode = Mode.FULL
     anchor_bits: int = _CODEC_DEFAULTS.anchor_bits
     group_size: int = _CODEC_DEFAULTS.group_size
     residual: ResidualMode = _CODEC_DEFAULTS.residual
     key_layout: KeyLayout = _CODEC_DEFAULTS.key_layout
     key_block: int = _CODEC_DEFAULTS.key_block
     max_speculative_tokens: int = 32
+    # Greedy verification accepts a held token whose full-precision log-probability is
+    # within this gap of the best one (0: strict argmax, exact). Decode only, not paired.
+    verify_tolerance: float = 0.0
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
     buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once
@@ -64,8 +63,10 @@ class LynxSettings:
     residual_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise LynxSettingsError(f"--lynx-mode must be one of {MODES}, got {self.mode!r}")
+        try:
+            object.__setattr__(self, "mode", Mode.parse(self.mode))  # frozen; JSON gives the name
+        except ValueError as exc:
+            raise LynxSettingsError(str(exc)) from None
         try:
             self.codec_config()
         except CodecInputError as exc:
@@ -74,6 +75,11 @@ class LynxSettings:
         if self.max_speculative_tokens < 1:
             raise LynxSettingsError(
                 f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"
+            )
+        if not 0.0 <= self.verify_tolerance <= 1.0:
+            raise LynxSettingsError(
+                "--lynx-verify-tolerance must be a log-probability gap in [0, 1], "
+                f"got {self.verify_tolerance}"
             )
         if self.lane_chunk_bytes < 4096:
             raise LynxSettingsError(f"--lynx-lane-chunk-bytes must be >= 4096, got {self.lane_chunk_bytes}")
@@ -150,13 +156,14 @@ def check_server_compatibility(
             "--lynx needs a prefill/decode disaggregated server: pass "
             f"--disaggregation-mode prefill or decode (got {disaggregation_mode!r})"
         )
-    if settings.mode == "speculative" and disaggregation_mode == "decode" and not disable_overlap_schedule:
+    verifies_here = settings.mode.verifies and disaggregation_mode == "decode"
+    if verifies_here and not disable_overlap_schedule:
         # The overlap loop launches step N+1 before step N's tokens are known, so a
         # request is never quiescent where Lynx verifies and rolls back.
         raise LynxSettingsError(
             "--lynx-mode speculative needs --disable-overlap-schedule on the decode server"
         )
-    if settings.mode == "speculative" and disaggregation_mode == "decode" and tp_size > 1:
+    if verifies_here and tp_size > 1:
         # Each rank would see its Residual land in a different iteration and verify a
         # different batch; the verdicts are not all-reduced yet.
         raise LynxSettingsError("--lynx-mode speculative supports --tp-size 1 on the decode server for now")

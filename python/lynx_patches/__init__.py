@@ -10,11 +10,11 @@ its top; together they are every upstream symbol Lynx touches:
 * :mod:`lynx_patches.sgl_kernel` -- pure-torch stand-ins for the two CPU ops of
   ``sgl_kernel`` (CPU engine only).
 * :mod:`lynx_patches.disaggregation_utils` -- Lynx's Mooncake manager, sender and
-  receiver (:mod:`lynx_patches.lynx_mooncake`) in place of upstream's with ``--lynx``.
+  receiver (:mod:`lynx_patches.mooncake_connector`) in place of upstream's with ``--lynx``.
 * :mod:`lynx_patches.disaggregation_prefill` / :mod:`lynx_patches.disaggregation_decode`
-  -- hand the KV pool to Lynx's sender / receiver; CPU-engine guard on the early prefix
-  send; speculative mode's admission and per-iteration verification
-  (:mod:`lynx_patches.lynx_speculation`).
+  -- build the process's Lynx runtime on the KV pool (:mod:`lynx_patches.runtime`);
+  CPU-engine guard on the early prefix send; speculative mode's admission and
+  per-iteration verification (:mod:`lynx_patches.speculative_decoder`).
 * :mod:`lynx_patches.output_streamer` -- the per-request transfer report in ``meta_info``;
   held tokens are not streamed.
 * :mod:`lynx_patches.schedule_batch` -- held tokens and deferred finishes; parking instead
@@ -25,7 +25,9 @@ its top; together they are every upstream symbol Lynx touches:
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
 
-Without ``--lynx`` every Lynx hook calls the original unchanged.  The CPU-engine hooks
+Every SGLang internal the hooks rely on goes through :mod:`lynx_patches.upstream`, whose
+contract a test checks against the pinned release. Without ``--lynx`` every Lynx hook
+calls the original unchanged.  The CPU-engine hooks
 are registered only when ``SGLANG_USE_CPU_ENGINE=1`` (upstream's own switch for the CPU
 platform), because upstream PD serving cannot start on a CPU without them.
 """

@@ -2,8 +2,8 @@
 
 Hook targets (``sglang.srt.`` omitted):
 * ``disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager`` AROUND: after upstream
-  built the KV manager (a ``LynxKVManager`` with ``--lynx``), hand it the KV pool Lynx
-  encodes from and whose size sizes the send buffer.
+  built the KV manager (a ``LynxKVManager`` with ``--lynx``), build this process's Lynx
+  runtime on the KV pool it encodes from (:func:`lynx_patches.runtime.build_on_kv_manager`).
 * ``disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk``
   AROUND (CPU engine only): under the overlap scheduler this optional early send of a cached prefix
   records a ``torch.cuda.Event`` to order the send after the previous forward; there is
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lynx_patches import runtime
 from lynx_patches._hooks import hook, is_cpu_engine
-from lynx_patches.disaggregation_decode import attach_pool
 
 INIT_KV_MANAGER = "disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 EARLY_PREFIX_SEND = (
@@ -31,6 +31,6 @@ def _skip_early_send_under_overlap(original: Any, scheduler: Any, *args: Any, **
 
 
 def register() -> None:
-    hook(INIT_KV_MANAGER, attach_pool, "around")
+    hook(INIT_KV_MANAGER, runtime.build_on_kv_manager, "around")
     if is_cpu_engine():
         hook(EARLY_PREFIX_SEND, _skip_early_send_under_overlap, "around")

@@ -2,7 +2,7 @@
 
 Hook targets (``sglang.srt.`` omitted):
 * ``disaggregation.utils.get_kv_class`` AROUND: for the Mooncake backend, return
-  :mod:`lynx_patches.lynx_mooncake`'s ``LynxKVManager``/``LynxKVSender``/``LynxKVReceiver``
+  :mod:`lynx_patches.mooncake_connector`'s ``LynxKVManager``/``LynxKVSender``/``LynxKVReceiver``
   instead of upstream's manager, sender and receiver. Every other class (KV args,
   bootstrap server, other backends, the fake backend used for warm-up) is upstream's.
 """
@@ -21,9 +21,9 @@ def _lynx_classes(original: Any, transfer_backend: Any, class_type: Any) -> Any:
     cls = original(transfer_backend, class_type)
     if settings.current() is None:
         return cls
-    from lynx_patches import lynx_mooncake  # imports SGLang's Mooncake connector
+    from lynx_patches import mooncake_connector  # imports SGLang's Mooncake connector
 
-    return lynx_mooncake.LYNX_CLASSES.get(cls, cls)
+    return mooncake_connector.LYNX_CLASSES.get(cls, cls)
 
 
 def register() -> None:

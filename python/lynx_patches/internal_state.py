@@ -3,13 +3,15 @@
 Hook targets (``sglang.srt.`` omitted):
 * ``managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state``
   AFTER: add ``lynx`` (the settings this scheduler process runs with, or None) and, with
-  ``--lynx``, ``lynx_transfer`` (send/receive buffer use, requests in flight, bytes moved)
-  and ``lynx_kv_available_tokens`` (free KV pool tokens: back at its idle value when no
-  request holds pages).
+  ``--lynx``, ``lynx_transfer`` (send/receive buffer use, requests in flight, bytes moved,
+  speculation) and ``lynx_kv_available_tokens`` (free KV pool tokens: back at its idle
+  value when no request holds pages).
 
 This is how a user (and the tests) can see that the launcher's ``--lynx*`` flags reached
 the scheduler subprocess, which parses no command line of its own, and that a failed
 transfer left nothing behind.
+
+Contract: scheduler thread, on demand; read-only.
 """
 
 from __future__ import annotations
@@ -18,17 +20,10 @@ import dataclasses
 from typing import Any
 
 from lynx import settings
+from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 
 TARGET = "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
-
-
-def _kv_manager(scheduler: Any) -> Any:
-    for name in ("disagg_prefill_bootstrap_queue", "disagg_decode_prealloc_queue"):
-        queue = getattr(scheduler, name, None)
-        if queue is not None:
-            return getattr(queue, "kv_manager", None)
-    return None
 
 
 def _add_lynx(result: Any, controller: Any, *_args: Any, **_kwargs: Any) -> Any:
@@ -36,11 +31,9 @@ def _add_lynx(result: Any, controller: Any, *_args: Any, **_kwargs: Any) -> Any:
     state = result.internal_state
     state["lynx"] = None if current is None else dataclasses.asdict(current)
     if current is not None:
-        manager = _kv_manager(controller.scheduler)
-        stats = getattr(manager, "lynx_stats", None)
-        state["lynx_transfer"] = stats() if stats is not None else None
-        allocator = controller.scheduler.token_to_kv_pool_allocator
-        state["lynx_kv_available_tokens"] = int(allocator.available_size())
+        lynx = runtime.current()
+        state["lynx_transfer"] = lynx.stats() if lynx is not None else None
+        state["lynx_kv_available_tokens"] = upstream.free_kv_tokens(controller.scheduler)
     return result
 
 

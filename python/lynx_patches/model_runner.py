@@ -8,6 +8,9 @@ Hook target (``sglang.srt.`` omitted):
   ``softmax(logits / temperature)`` -- the distribution upstream's sampler draws from
   for the settings Lynx speculates on (temperature only; the others wait for the
   Residual). Upstream then softmaxes the logits in place, so this runs first.
+
+Contract: scheduler thread (the model runner runs there with the non-overlap scheduler,
+which speculative mode requires); reads the logits, never changes them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lynx_patches import lynx_speculation
+from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 
 TARGET = "model_executor.model_runner.ModelRunner.sample"
@@ -25,17 +28,15 @@ TARGET = "model_executor.model_runner.ModelRunner.sample"
 def _keep_draft_distributions(
     original: Any, runner: Any, logits_output: Any, forward_batch: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    decoder = lynx_speculation.current()
-    rows = decoder.sampled_rows() if decoder is not None else {}
-    if rows and forward_batch.forward_mode.is_decode():
-        logits = logits_output.next_token_logits
-        for i, pool_row in enumerate(forward_batch.req_pool_indices[: logits.shape[0]].tolist()):
-            req = rows.get(pool_row)
-            if req is not None:
-                spec = lynx_speculation.speculation_of(req)
-                assert spec is not None
-                temperature = float(req.sampling_params.temperature)
-                spec.pending_probs = torch.softmax(logits[i].float() / temperature, dim=-1)
+    decoder = runtime.speculative_decoder()
+    sampled = decoder.sampled_rows() if decoder is not None else {}
+    if sampled:
+        logits = upstream.next_token_logits(logits_output)
+        rows = upstream.decode_forward_rows(forward_batch, logits.shape[0]) or []
+        for i, pool_row in enumerate(rows):
+            spec = sampled.get(pool_row)
+            if spec is not None:
+                spec.pending_probs = torch.softmax(logits[i].float() / spec.sampling.temperature, dim=-1)
     return original(runner, logits_output, forward_batch, *args, **kwargs)
 
 

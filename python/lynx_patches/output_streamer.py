@@ -8,15 +8,18 @@ Hook targets (``sglang.srt.`` omitted):
   AROUND (``--lynx-mode speculative``): requests holding unverified tokens are left out,
   so neither their tokens nor their stream offsets move; verification may still cut
   them. The first token (prefill's, exact) passes; a finished request always passes.
+
+Contract: scheduler thread, any number of times per iteration; without a speculative
+decoder (or with no request holding tokens) upstream's call is unchanged.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lynx_patches import lynx_speculation
+from lynx_patches import runtime
 from lynx_patches._hooks import hook
-from lynx_patches.lynx_speculation import META_INFO_KEY
+from lynx_patches.speculative_decoder import META_INFO_KEY
 
 STREAMER = "managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 
@@ -26,9 +29,10 @@ def _lynx_key_is_per_request(original: Any, streamer: Any, key: str) -> bool:
 
 
 def _hold_back(original: Any, streamer: Any, reqs: list[Any], *args: Any, **kwargs: Any) -> Any:
-    if lynx_speculation.current() is None or not any(lynx_speculation.holds_tokens(r) for r in reqs):
+    decoder = runtime.speculative_decoder()
+    if decoder is None or not any(decoder.holds_tokens(r) for r in reqs):
         return original(streamer, reqs, *args, **kwargs)
-    released = [req for req in reqs if not lynx_speculation.holds_tokens(req)]
+    released = [req for req in reqs if not decoder.holds_tokens(req)]
     if not released:
         return None
     return original(streamer, released, *args, **kwargs)

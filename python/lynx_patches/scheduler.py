@@ -10,13 +10,16 @@ Hook targets (``sglang.srt.`` omitted):
   would stop polling for its Residual).
 * ``managers.scheduler.Scheduler.collect_inflight_reqs`` AFTER: parked requests are in
   flight, so an abort (and a weight-version change) reaches them.
+
+Contract: scheduler thread; read-only on Lynx's side; upstream's result unchanged
+without a speculative decoder.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lynx_patches import lynx_speculation
+from lynx_patches import runtime
 from lynx_patches._hooks import hook
 
 IS_FULLY_IDLE = "managers.scheduler.Scheduler.is_fully_idle"
@@ -24,12 +27,12 @@ COLLECT_INFLIGHT_REQS = "managers.scheduler.Scheduler.collect_inflight_reqs"
 
 
 def _not_idle_while_parked(result: bool, *_args: Any, **_kwargs: Any) -> bool:
-    decoder = lynx_speculation.current()
+    decoder = runtime.speculative_decoder()
     return result and (decoder is None or not decoder.holds_kv_outside_batches())
 
 
 def _with_parked(result: set[Any], *_args: Any, **_kwargs: Any) -> set[Any]:
-    decoder = lynx_speculation.current()
+    decoder = runtime.speculative_decoder()
     if decoder is not None:
         result.update(decoder.parked_requests())
     return result

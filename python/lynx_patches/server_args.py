@@ -42,6 +42,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "key_layout": (str, "Key groups: per_channel (over key-block tokens) or per_token."),
     "key_block": (int, "Tokens per per-channel key group."),
     "max_speculative_tokens": (int, "Most tokens a request may hold back before its Residual lands."),
+    "verify_tolerance": (
+        float,
+        "Greedy verification accepts a held token within this log-probability gap of the best "
+        "(0: strict argmax, exact; opt-in relaxation, see docs/speculative.md).",
+    ),
     "lane_chunk_bytes": (settings.parse_size, "Residual chunk size on the low-priority lane (e.g. 1MiB)."),
     "transfer_deadline_s": (float, "Seconds a request's KV transfer may take before it fails."),
     "buffer_bytes": (

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lynx.cluster import HOST, ServerConfig, SingleServer, free_port, http_json
+from lynx.tools.cluster import HOST, ServerConfig, SingleServer, free_port, http_json
 
 
 class Prefill(SingleServer):

@@ -35,7 +35,7 @@ def _interactive() -> None:
 
 def _demo(model: Path, log_dir: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "lynx.demo", "--model", str(model), "--log-dir", str(log_dir), *extra],
+        [sys.executable, "-m", "lynx.tools.demo", "--model", str(model), "--log-dir", str(log_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_group, state, wait_for
 
-from lynx.cluster import HOST, ServerConfig, http_json, start_together
+from lynx.tools.cluster import HOST, ServerConfig, http_json, start_together
 
 pytestmark = pytest.mark.e2e
 

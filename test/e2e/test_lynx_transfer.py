@@ -30,8 +30,9 @@ import pytest
 import torch
 from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_group, state, wait_for
 
-from lynx.cluster import ServerConfig, SingleServer, http_json, start_together
 from lynx.codec import CodecConfig, KVLayout
+from lynx.mode import Mode
+from lynx.tools.cluster import ServerConfig, SingleServer, http_json, start_together
 from lynx.transfer import RequestLayout
 
 pytestmark = pytest.mark.e2e
@@ -103,15 +104,15 @@ def test_full_mode_with_exact_residual_equals_plain_bf16_pd(servers: dict, idle_
 
 def test_bytes_on_the_wire_are_the_codec_sizes(servers: dict, tiny_model: Path) -> None:
     layout = kv_layout(tiny_model)
-    for prefill, decode, codec in (
-        (servers["P"], servers["D1"], CodecConfig(residual="exact")),
-        (servers["PA"], servers["DA"], CodecConfig(anchor_bits=2)),
+    for prefill, decode, codec, mode in (
+        (servers["P"], servers["D1"], CodecConfig(residual="exact"), Mode.FULL),
+        (servers["PA"], servers["DA"], CodecConfig(anchor_bits=2), Mode.ANCHOR_ONLY),
     ):
         before = state(decode)["lynx_transfer"]
         answer = pd_generate(prefill, decode, PROMPTS[3])
         after = state(decode)["lynx_transfer"]
-        plan = RequestLayout(layout, codec, answer["meta_info"]["prompt_tokens"])
-        residual = plan.residual_nbytes if codec.residual == "exact" else 0
+        plan = RequestLayout(layout, codec, answer["meta_info"]["prompt_tokens"], mode)
+        residual = plan.sent_residual_nbytes
         assert after["anchor_bytes"] - before["anchor_bytes"] == plan.anchor_nbytes
         assert after["residual_bytes"] - before["residual_bytes"] == residual
         report = answer["meta_info"]["lynx_transfer"][0]

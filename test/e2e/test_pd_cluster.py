@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from lynx.cluster import PDCluster, ServerConfig, SingleServer, http_json, start_together
-from lynx.demo import chat_once
+from lynx.tools.cluster import PDCluster, ServerConfig, SingleServer, http_json, start_together
+from lynx.tools.demo import chat_once
 from lynx_patches.sgl_kernel import SHIM_ROOT
 
 pytestmark = pytest.mark.e2e

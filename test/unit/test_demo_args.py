@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lynx.demo import lynx_mode
+from lynx.tools.demo import lynx_mode
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lynx.codec import CodecConfig, KVLayout, decode, decode_pages, encode, encode_pages, segment_nbytes
+from lynx.mode import Mode
 from lynx.transfer import (
     PROTOCOL_VERSION,
     SEGMENT_TOKENS,
@@ -244,7 +245,7 @@ def test_malformed_notices_raise_protocol_error(frames: list[bytes], message: st
 @pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(anchor_bits=2, residual="exact")])
 @pytest.mark.parametrize("n_tokens", [1, 255, 256, 257, 600, 768])
 def test_request_layout_segments(config: CodecConfig, n_tokens: int) -> None:
-    plan = RequestLayout(LAYOUT, config, n_tokens)
+    plan = RequestLayout(LAYOUT, config, n_tokens, Mode.FULL)
     assert plan.n_tokens == n_tokens
     segments = plan.segments
     assert len(segments) == -(-n_tokens // SEGMENT_TOKENS)
@@ -263,11 +264,11 @@ def test_request_layout_segments(config: CodecConfig, n_tokens: int) -> None:
 
 def test_request_layout_needs_a_token() -> None:
     with pytest.raises(ValueError, match="at least one token"):
-        RequestLayout(LAYOUT, CodecConfig(), 0)
+        RequestLayout(LAYOUT, CodecConfig(), 0, Mode.FULL)
 
 
 def test_ready_returns_whole_segments_only_unless_last() -> None:
-    plan = RequestLayout(LAYOUT, CodecConfig(), 600)
+    plan = RequestLayout(LAYOUT, CodecConfig(), 600, Mode.FULL)
     first, second, third = plan.segments
     assert plan.ready(0, last=False) == []
     assert plan.ready(255, last=False) == []
@@ -314,7 +315,7 @@ def _encode_in_chunks(
     chunks: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the sender does: encode each segment once the chunks received so far cover it."""
-    plan = RequestLayout(SMALL, config, slots.numel())
+    plan = RequestLayout(SMALL, config, slots.numel(), Mode.FULL)
     anchor = torch.zeros(plan.anchor_nbytes, dtype=torch.uint8)
     residual = torch.zeros(plan.residual_nbytes, dtype=torch.uint8)
     tokens = sent = 0
@@ -338,7 +339,7 @@ def _encode_in_chunks(
 def _decode_request(
     anchor: torch.Tensor, residual: torch.Tensor | None, config: CodecConfig, n_tokens: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    plan = RequestLayout(SMALL, config, n_tokens)
+    plan = RequestLayout(SMALL, config, n_tokens, Mode.FULL)
     k, v = _pool(seed=99)
     dst = torch.arange(n_tokens, dtype=torch.int64)
     for seg in plan.segments:
@@ -380,7 +381,7 @@ def test_decoded_kv_does_not_depend_on_how_prefill_chunked(case: tuple[int, list
     for residual in (None, chunked[1]):
         got_k, got_v = _decode_request(chunked[0], residual, config, n_tokens)
         # The codec's tensor API on each segment's gathered rows is the reference.
-        for seg in RequestLayout(SMALL, config, n_tokens).segments:
+        for seg in RequestLayout(SMALL, config, n_tokens, Mode.FULL).segments:
             rows = slots[seg.start : seg.end]
             for kind, pool, got in (("key", k, got_k), ("value", v, got_v)):
                 for layer in range(SMALL.num_layers):

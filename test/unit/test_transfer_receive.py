@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lynx.codec import CodecConfig, KVLayout
+from lynx.mode import Mode
 from lynx.transfer import (
     RECEIVE_TRANSITIONS,
     Handshake,
@@ -17,7 +18,6 @@ from lynx.transfer import (
     Upstream,
     Verdict,
 )
-from lynx.transfer.protocol import Mode
 
 LAYOUT = KVLayout(4, 2, 64, torch.bfloat16)
 PEER = "10.0.0.2:8998"
@@ -30,7 +30,7 @@ def local(mode: Mode = "full") -> Handshake:
 
 
 def tracker(mode: Mode = "full", *, accepted: bool = True) -> ReceiveTracker:
-    t = ReceiveTracker(room=7, mode=mode, local=local(mode), deadline_s=DEADLINE)
+    t = ReceiveTracker(room=7, local=local(mode), deadline_s=DEADLINE)
     t.offered(now=0.0)
     if accepted:
         t.on_notice(accept(local(mode)), PEER, now=0.5)
@@ -70,14 +70,14 @@ def test_receive_state_machine_is_pinned() -> None:
     ],
 )
 def test_illegal_moves_raise(start: ReceiveState, to: ReceiveState) -> None:
-    t = ReceiveTracker(room=3, mode="full", local=local(), deadline_s=DEADLINE, state=start)
+    t = ReceiveTracker(room=3, local=local(), deadline_s=DEADLINE, state=start)
     with pytest.raises(ValueError, match=f"room 3: Lynx receive state {start.value} -> {to.value}"):
         t.move(to)
     assert t.state is start
 
 
 def test_offered_records_the_time_and_moves() -> None:
-    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE)
     assert t.state is S.WAITING_SPACE
     t.offered(now=12.5)
     assert (t.state, t.offered_at) == (S.OFFERED, 12.5)
@@ -87,7 +87,7 @@ def test_offered_records_the_time_and_moves() -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY, S.COMPLETE])
 def test_wait_while_upstream_pending(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE, state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, state=state)
     assert t.verdict(Upstream.PENDING, now=1e9) is Verdict.WAIT
     assert t.state is state and t.error is None
     assert t.upstream_success_at is None  # the deadline only runs from upstream's Success
@@ -95,7 +95,7 @@ def test_wait_while_upstream_pending(state: ReceiveState) -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY])
 def test_upstream_failure_fails(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE, state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, state=state)
     assert t.verdict(Upstream.FAILED, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error == "the upstream KV transfer failed"
@@ -116,12 +116,12 @@ def test_a_landing_before_the_accept_counts_once_accepted() -> None:
     assert t.state is S.OFFERED
     t.on_notice(accept(local("anchor-only")), PEER, now=1.1)
     assert t.state is S.COMPLETE
-    assert t.verdict(Upstream.SUCCESS, now=1.2) is Verdict.DECODE
+    assert t.verdict(Upstream.SUCCESS, now=1.2) is Verdict.READY
 
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED])
 def test_upstream_success_without_accept_fails_naming_the_flag(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, mode="full", local=local(), deadline_s=DEADLINE, state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, state=state)
     assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error is not None
@@ -139,7 +139,7 @@ def test_full_mode_waits_for_the_residual() -> None:
     assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.WAIT
     t.on_notice(landed(Stream.RESIDUAL, 900), PEER, now=2.5)
     assert t.state is S.COMPLETE
-    assert t.verdict(Upstream.SUCCESS, now=3.0) is Verdict.DECODE
+    assert t.verdict(Upstream.SUCCESS, now=3.0) is Verdict.READY
     assert t.landed == {Stream.ANCHOR: 300, Stream.RESIDUAL: 900}
     assert t.landed_at == {Stream.ANCHOR: 1.5, Stream.RESIDUAL: 2.5}
     assert t.upstream_success_at == 1.0
@@ -153,7 +153,7 @@ def test_full_mode_residual_landing_first_waits_for_the_anchor() -> None:
     assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
     t.on_notice(landed(Stream.ANCHOR, 300), PEER, now=2.0)
     assert t.state is S.COMPLETE
-    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.DECODE
+    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
 
 
 def test_anchor_only_decodes_after_the_anchor() -> None:
@@ -161,14 +161,14 @@ def test_anchor_only_decodes_after_the_anchor() -> None:
     assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.5)
     assert t.state is S.COMPLETE  # nothing else will come
-    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.DECODE
+    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
 
 
 def test_speculative_decodes_on_the_anchor_and_completes_on_the_residual() -> None:
     t = tracker("speculative")
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
     assert t.state is S.ANCHOR_READY
-    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.DECODE
+    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.READY
     t.on_notice(landed(Stream.RESIDUAL), PEER, now=2.0)
     assert t.state is S.COMPLETE
 
@@ -238,7 +238,7 @@ def test_deadline_does_not_apply_once_decodable() -> None:
     t = tracker("anchor-only")
     assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.WAIT
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
-    assert t.verdict(Upstream.SUCCESS, now=1e6) is Verdict.DECODE
+    assert t.verdict(Upstream.SUCCESS, now=1e6) is Verdict.READY
 
 
 def test_terminal_states_ignore_later_notices() -> None:
@@ -270,13 +270,13 @@ def test_residual_verdict_after_decoding_on_the_anchor() -> None:
     def started() -> ReceiveTracker:
         t = tracker("speculative")
         t.on_notice(landed(Stream.ANCHOR), PEER, now=0.6)
-        assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.DECODE
+        assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.READY
         return t
 
     t = started()
     assert t.residual_verdict(now=5.0) is Verdict.WAIT
     t.on_notice(landed(Stream.RESIDUAL, 400), PEER, now=5.5)
-    assert t.residual_verdict(now=5.5) is Verdict.DECODE
+    assert t.residual_verdict(now=5.5) is Verdict.READY
     t = started()
     assert t.residual_verdict(now=1.0 + DEADLINE + 0.1) is Verdict.FAIL
     assert t.error is not None and f"Residual did not land within {DEADLINE:g}s" in t.error

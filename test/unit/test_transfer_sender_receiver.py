@@ -15,6 +15,7 @@ import torch
 
 from lynx.codec import CodecConfig, KVLayout, decode, encode
 from lynx.lanes import BatchState, LaneConfig, Transfer
+from lynx.mode import Mode
 from lynx.transfer import (
     Handshake,
     Notice,
@@ -30,7 +31,6 @@ from lynx.transfer import (
     page_slots,
 )
 from lynx.transfer.arena import ByteArena
-from lynx.transfer.protocol import Mode
 
 LAYERS, HEADS, HEAD_DIM, ROWS = 4, 2, 64, 2048
 LAYOUT = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
@@ -127,7 +127,7 @@ def kv_pool(seed: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def request_nbytes(handshake: Handshake, n_tokens: int = N_TOKENS) -> int:
-    plan = RequestLayout(handshake.layout, handshake.codec, n_tokens)
+    plan = RequestLayout.of(handshake, n_tokens)
     return ByteArena.rounded(plan.anchor_nbytes + plan.residual_nbytes)
 
 
@@ -207,7 +207,7 @@ class Pair:
         """Decode reserves space; prefill accepts its offer."""
         offer = self.receiver.reserve(room, n_tokens, peer=PREFILL_ADDR)
         assert offer is not None
-        assert self.sender.answer_offer(room, offer.to_wire(), DECODE_ENDPOINT) == offer
+        assert self.sender.answer_offer(room, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) == offer
         return offer
 
     def pages(self, seed: int, n_tokens: int = N_TOKENS) -> np.ndarray:
@@ -217,7 +217,7 @@ class Pair:
         return torch.randperm(ROWS // self.page_size, generator=gen)[:n_pages].numpy()
 
     def chunk(self, room: int, offer: Offer, pages: np.ndarray, last: bool) -> None:
-        self.sender.add_chunk(room, DECODE_SESSION, DECODE_ENDPOINT, offer, pages, last)
+        self.sender.add_chunk(room, pages, last)
 
     def send(self, room: int, offer: Offer, pages: np.ndarray, chunks: Sequence[int]) -> None:
         """``add_chunk`` for each run of ``chunks`` pages, the last one with last=True."""
@@ -269,7 +269,7 @@ def reference_rows(
     rows: tuple[list[torch.Tensor], list[torch.Tensor]], config: CodecConfig, *, residual: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """What decode must hold: each segment of each layer's K and V through the codec's tensor API."""
-    plan = RequestLayout(LAYOUT, config, rows[0][0].shape[0])
+    plan = RequestLayout(LAYOUT, config, rows[0][0].shape[0], Mode.FULL)
     out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for kind, source, dest in (("key", rows[0], out[0]), ("value", rows[1], out[1])):
         for layer_rows in source:
@@ -353,7 +353,7 @@ def test_full_mode_decodes_the_codec_reconstruction(
     n_tokens = N_TOKENS if page_size != 8 else N_TOKENS - 2
     pair = pairs(page_size=page_size)
     offer = pair.offer(room=11, n_tokens=n_tokens)
-    plan = RequestLayout(LAYOUT, pair.handshake.codec, n_tokens)
+    plan = RequestLayout(LAYOUT, pair.handshake.codec, n_tokens, Mode.FULL)
     assert (offer.anchor_nbytes, offer.residual_nbytes, offer.n_tokens) == (
         plan.anchor_nbytes,
         plan.residual_nbytes,
@@ -363,10 +363,10 @@ def test_full_mode_decodes_the_codec_reconstruction(
     pages = pair.pages(seed=1, n_tokens=n_tokens)
     pair.send(11, offer, pages, chunks)
     assert not pair.sender.holds_pages(11)
-    assert pair.wait_verdict(11, Verdict.DECODE) is None
+    assert pair.wait_verdict(11, Verdict.READY) is None
 
     dst = page_slots(pair.pages(seed=2, n_tokens=n_tokens), page_size)[:n_tokens]  # other rows
-    pair.receiver.decode(11, dst)
+    pair.receiver.write_kv(11, dst)
     src = page_slots(pages, page_size)[:n_tokens]
     want = reference_rows(pair.prefill_rows(src), pair.handshake.codec, residual=True)
     assert_rows_equal(pair.decode_rows(dst), want)
@@ -400,7 +400,7 @@ def test_released_never_overtakes_a_landed_notice(pairs: Callable[..., Pair]) ->
     pair = pairs(landed_delay_s=0.1)  # several reaper rounds per LANDED
     offer = pair.offer(room=21)
     pair.send(21, offer, pair.pages(seed=20), [600])
-    assert pair.wait_verdict(21, Verdict.DECODE) is None
+    assert pair.wait_verdict(21, Verdict.READY) is None
     pair.wait_released(21)
     assert pair.kinds(21) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
 
@@ -410,23 +410,23 @@ def test_exact_residual_is_bit_exact_with_the_prefill_rows(pairs: Callable[..., 
     offer = pair.offer(room=5)
     pages = pair.pages(seed=3)
     pair.send(5, offer, pages, [70, 80])
-    pair.wait_verdict(5, Verdict.DECODE)
+    pair.wait_verdict(5, Verdict.READY)
     dst = torch.arange(1000, 1000 + N_TOKENS)
-    pair.receiver.decode(5, dst)
-    pair.receiver.decode(5, dst)  # once only: a second call is a no-op
+    pair.receiver.write_kv(5, dst)
+    pair.receiver.write_kv(5, dst)  # once only: a second call is a no-op
     assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 4)[:N_TOKENS]))
 
 
 def test_anchor_only_sends_no_residual_and_decodes_the_anchor(pairs: Callable[..., Pair]) -> None:
     pair = pairs(mode="anchor-only")
     offer = pair.offer(room=9)
-    plan = RequestLayout(LAYOUT, pair.handshake.codec, N_TOKENS)
+    plan = RequestLayout(LAYOUT, pair.handshake.codec, N_TOKENS, Mode.FULL)
     assert (offer.anchor_nbytes, offer.residual_addr, offer.residual_nbytes) == (plan.anchor_nbytes, 0, 0)
     pages = pair.pages(seed=4)
     pair.send(9, offer, pages, [300, 300])
-    pair.wait_verdict(9, Verdict.DECODE)
+    pair.wait_verdict(9, Verdict.READY)
     dst = torch.arange(N_TOKENS)
-    pair.receiver.decode(9, dst)
+    pair.receiver.write_kv(9, dst)
     want = reference_rows(pair.prefill_rows(page_slots(pages, 1)), pair.handshake.codec, residual=False)
     assert_rows_equal(pair.decode_rows(dst), want)
 
@@ -448,19 +448,19 @@ def test_speculative_decodes_the_anchor_then_refines_in_place(pairs: Callable[..
     offer = pair.offer(room=13)
     pages = pair.pages(seed=9)
     pair.send(13, offer, pages, [N_TOKENS])
-    pair.wait_verdict(13, Verdict.DECODE)  # the Anchor is enough to start
+    pair.wait_verdict(13, Verdict.READY)  # the Anchor is enough to start
     dst = torch.arange(N_TOKENS)
     assert pair.receiver.residual_verdict(13)[0] is Verdict.WAIT
     so_far = pair.receiver.report(13)
     assert so_far is not None and so_far.anchor_bytes > 0 and so_far.residual_bytes == 0
-    assert pair.receiver.decode(13, dst) is False
-    assert pair.receiver.decode(13, dst) is False  # nothing new landed: no rewrite
+    assert pair.receiver.write_kv(13, dst) is False
+    assert pair.receiver.write_kv(13, dst) is False  # nothing new landed: no rewrite
     rows = pair.prefill_rows(torch.as_tensor(pages))
     assert_rows_equal(pair.decode_rows(dst), reference_rows(rows, CodecConfig(), residual=False))
-    wait_for(lambda: pair.receiver.residual_verdict(13)[0] is Verdict.DECODE, "the Residual")
-    assert pair.receiver.decode(13, dst) is True  # refined in place
+    wait_for(lambda: pair.receiver.residual_verdict(13)[0] is Verdict.READY, "the Residual")
+    assert pair.receiver.write_kv(13, dst) is True  # refined in place
     assert_rows_equal(pair.decode_rows(dst), reference_rows(rows, CodecConfig(), residual=True))
-    assert pair.receiver.decode(13, dst) is True
+    assert pair.receiver.write_kv(13, dst) is True
     report = pair.receiver.forget(13)
     assert report is not None and report.residual_latency_s is not None and report.residual_latency_s >= 2.0
     assert pair.receiver.stats().buffer_used == 0
@@ -476,9 +476,9 @@ def test_two_requests_at_once_land_in_their_own_space(pairs: Callable[..., Pair]
     pair.chunk(2, offers[2], pages[2][400:], True)
     pair.chunk(1, offers[1], pages[1][300:], True)
     for room, base in ((1, 0), (2, N_TOKENS)):
-        pair.wait_verdict(room, Verdict.DECODE)
+        pair.wait_verdict(room, Verdict.READY)
         dst = torch.arange(base, base + N_TOKENS)
-        pair.receiver.decode(room, dst)
+        pair.receiver.write_kv(room, dst)
         want = reference_rows(pair.prefill_rows(torch.as_tensor(pages[room])), CodecConfig(), residual=True)
         assert_rows_equal(pair.decode_rows(dst), want)
 
@@ -502,7 +502,7 @@ def test_a_full_send_buffer_makes_the_next_request_wait(pairs: Callable[..., Pai
     assert pair.kinds(2) == [NoticeKind.ACCEPT]
 
     pair.chunk(1, offers[1], pages[1][100:], True)
-    pair.wait_verdict(1, Verdict.DECODE)
+    pair.wait_verdict(1, Verdict.READY)
     pair.wait_released(1)
 
     def proceeds() -> bool:
@@ -510,9 +510,9 @@ def test_a_full_send_buffer_makes_the_next_request_wait(pairs: Callable[..., Pai
         return not pair.sender.holds_pages(2)
 
     wait_for(proceeds, "room 2 to get send space")
-    pair.wait_verdict(2, Verdict.DECODE)
+    pair.wait_verdict(2, Verdict.READY)
     dst = torch.arange(N_TOKENS)
-    pair.receiver.decode(2, dst)
+    pair.receiver.write_kv(2, dst)
     want = reference_rows(pair.prefill_rows(torch.as_tensor(pages[2])), CodecConfig(), residual=True)
     assert_rows_equal(pair.decode_rows(dst), want)
 
@@ -527,7 +527,7 @@ def test_a_request_larger_than_the_send_buffer_fails_instead_of_blocking(pairs: 
     assert room == 1 and "--lynx-buffer-bytes" in reason
     assert not pair.sender.holds_pages(1)
     pair.send(2, fits, pair.pages(seed=22, n_tokens=256), [256])  # the next request is not held up
-    pair.wait_verdict(2, Verdict.DECODE)
+    pair.wait_verdict(2, Verdict.READY)
 
 
 def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) -> None:
@@ -541,8 +541,8 @@ def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) ->
     assert pair.receiver.verdict(2, Upstream.PENDING) == (Verdict.WAIT, None)
 
     pair.send(1, offer, pair.pages(seed=9), [600])
-    pair.wait_verdict(1, Verdict.DECODE)
-    pair.receiver.decode(1, torch.arange(N_TOKENS))
+    pair.wait_verdict(1, Verdict.READY)
+    pair.receiver.write_kv(1, torch.arange(N_TOKENS))
     pair.receiver.forget(1)
     again = pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR)
     assert again is not None and again.anchor_addr == offer.anchor_addr
@@ -563,9 +563,9 @@ def test_decode_needs_one_slot_per_token(pairs: Callable[..., Pair]) -> None:
     pair = pairs(mode="anchor-only")
     offer = pair.offer(3)
     pair.send(3, offer, pair.pages(seed=10), [600])
-    pair.wait_verdict(3, Verdict.DECODE)
+    pair.wait_verdict(3, Verdict.READY)
     with pytest.raises(ValueError, match="599 KV slots for 600 tokens"):
-        pair.receiver.decode(3, torch.arange(N_TOKENS - 1))
+        pair.receiver.write_kv(3, torch.arange(N_TOKENS - 1))
 
 
 def test_verdict_of_an_unknown_room_fails(pairs: Callable[..., Pair]) -> None:
@@ -632,7 +632,7 @@ def test_other_settings_on_decode_are_refused(pairs: Callable[..., Pair]) -> Non
     pair = pairs(decode_codec=CodecConfig(anchor_bits=3))
     offer = pair.receiver.reserve(8, N_TOKENS, peer=PREFILL_ADDR)
     assert offer is not None
-    reason = pair.sender.answer_offer(8, offer.to_wire(), DECODE_ENDPOINT)
+    reason = pair.sender.answer_offer(8, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)
     assert isinstance(reason, str)
     assert "anchor_bits=4" in reason and "anchor_bits=3" in reason and "decode 10.0.0.2:9000" in reason
     assert pair.kinds(8) == [NoticeKind.REJECT]
@@ -643,22 +643,27 @@ def test_other_settings_on_decode_are_refused(pairs: Callable[..., Pair]) -> Non
 
 def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
-    reason = pair.sender.answer_offer(8, b"\x01", DECODE_ENDPOINT)
+    reason = pair.sender.answer_offer(8, b"\x01", DECODE_ENDPOINT, DECODE_SESSION)
     assert isinstance(reason, str) and reason.startswith("cannot read the decode server's Lynx offer")
     assert pair.kinds(8) == [NoticeKind.REJECT]
     bad_handshake = Offer(b"LXHS\x01\x00", 64, 64, 128, 64, 1).to_wire()
-    reason = pair.sender.answer_offer(9, bad_handshake, DECODE_ENDPOINT)
+    reason = pair.sender.answer_offer(9, bad_handshake, DECODE_ENDPOINT, DECODE_SESSION)
     assert isinstance(reason, str) and reason.startswith("cannot read")
-    reason = pair.sender.answer_offer(10, None, DECODE_ENDPOINT)
+    reason = pair.sender.answer_offer(10, None, DECODE_ENDPOINT, DECODE_SESSION)
     assert isinstance(reason, str) and "--lynx" in reason
     assert pair.kinds(10) == []  # a decode without Lynx would not understand a notice
+    assert pair.sender.refusal(10) == reason
+    assert "sent no Lynx offer" in (pair.sender.refusal(11) or "")  # no metadata came at all
+    with pytest.raises(ValueError, match="no accepted Lynx offer"):
+        pair.sender.add_chunk(10, pair.pages(seed=1), True)
 
 
 def test_an_offer_of_the_wrong_size_fails_the_room(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
     offer = pair.offer(12)
     short = Offer(offer.handshake, offer.anchor_addr, offer.anchor_nbytes - 64, 0, 0, offer.n_tokens)
-    pair.sender.add_chunk(12, DECODE_SESSION, DECODE_ENDPOINT, short, pair.pages(seed=13), True)
+    assert pair.sender.answer_offer(12, short.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) == short
+    pair.sender.add_chunk(12, pair.pages(seed=13), True)
     assert len(pair.failures) == 1 and pair.failures[0][0] == 12
     assert "decode offered" in pair.failures[0][1]
     assert pair.sender.stats().rooms == 0
@@ -723,7 +728,7 @@ def test_abort_of_a_request_waiting_for_space(pairs: Callable[..., Pair]) -> Non
         return not pair.sender.holds_pages(3)
 
     wait_for(proceeds, "room 3 to get send space")
-    pair.wait_verdict(3, Verdict.DECODE)
+    pair.wait_verdict(3, Verdict.READY)
 
 
 def test_space_is_kept_while_the_engine_holds_writes(pairs: Callable[..., Pair]) -> None:

@@ -2,12 +2,14 @@
 group minimum and scale) and a Residual (the remaining bits, or the exact original words).
 
 Public API: ``CodecConfig``, ``encode``/``decode`` (tensors), ``KVLayout``,
-``segment_nbytes``, ``encode_pages``/``decode_pages`` (SGLang-style KV pool), the wire
+``segment_nbytes``, ``encode_pages``/``decode_pages`` (SGLang-style KV pool), ``warm_up``
+(load the native codec before the first request), the wire
 format (``WIRE_VERSION``, ``CodecConfig.to_wire``/``from_wire``, ``KVLayout.to_wire``)
 and the errors. The byte layout is documented in ``lynx.codec.format``.
 """
 
 from .api import Encoded, decode, encode
+from .backend import warm_up
 from .format import (
     WIRE_VERSION,
     CodecConfig,
@@ -33,4 +35,5 @@ __all__ = [
     "encode_pages",
     "kv_layout_of",
     "segment_nbytes",
+    "warm_up",
 ]

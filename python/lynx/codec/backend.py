@@ -39,6 +39,14 @@ def _use_cpp(rows: torch.Tensor) -> bool:
     return rows.is_contiguous() and cpp_backend.available()
 
 
+def warm_up(device: torch.device | str) -> None:
+    """Load (or build) what encoding and decoding on ``device`` will use, now rather than on
+    a server's first request. On the CPU that is the C++ codec; a build failure is logged
+    there and the torch reference serves instead."""
+    if torch.device(device).type == "cpu":
+        cpp_backend.available()
+
+
 def encode_rows(
     rows: torch.Tensor,
     slots: torch.Tensor | None,

@@ -4,8 +4,8 @@
   (the one place both sides agree on);
 * :class:`ProgressiveSender` -- prefill: encode, send the Anchor on HIGH, the Residual on
   LOW, report what landed;
-* :class:`ProgressiveReceiver` -- decode: receive space, what landed, decode into the KV
-  pool; :mod:`lynx.transfer.receive` holds its per-request state machine.
+* :class:`ProgressiveReceiver` -- decode: receive space, what landed, write it into the KV
+  pool; :mod:`lynx.transfer.receive_state` holds its per-request state machine.
 """
 
 from lynx.transfer.arena import ArenaError, ByteArena
@@ -20,7 +20,7 @@ from lynx.transfer.protocol import (
     RequestLayout,
     Stream,
 )
-from lynx.transfer.receive import RECEIVE_TRANSITIONS, ReceiveState, ReceiveTracker, Upstream, Verdict
+from lynx.transfer.receive_state import RECEIVE_TRANSITIONS, ReceiveState, ReceiveTracker, Upstream, Verdict
 from lynx.transfer.receiver import ProgressiveReceiver, ReceiveCapacityError, ReceiverStats, RoomReport
 from lynx.transfer.sender import ProgressiveSender, SenderStats, page_slots
 

@@ -31,7 +31,8 @@ RELEASED   ``<Q`` room
 The bytes of one request travel as segments of ``SEGMENT_TOKENS`` tokens (the last one
 shorter), each encoded on its own (``lynx.codec.encode_pages``) and placed back to back,
 Anchor and Residual each in their own region; ``RequestLayout`` is the one definition
-both sides use. Because a segment boundary falls on a multiple of every allowed
+both sides use, and what it says a mode sends is what both sides send and expect.
+Because a segment boundary falls on a multiple of every allowed
 ``key_block``, per-channel key blocks never straddle segments and the decoded KV does
 not depend on how prefill chunked the prompt.
 """
@@ -41,18 +42,17 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Literal
 
 from lynx.codec import CodecConfig, KVLayout, segment_nbytes
 from lynx.codec.format import CONFIG_WIRE_NBYTES
+from lynx.mode import Mode
 
 PROTOCOL_VERSION = 1
 TAG = b"LYNX1"
 SEGMENT_TOKENS = 256
 """Tokens per encoded segment: a multiple of every allowed ``key_block`` (<= 256)."""
 
-Mode = Literal["full", "anchor-only", "speculative"]
-_MODE_CODES: dict[str, int] = {"full": 0, "anchor-only": 1, "speculative": 2}
+_MODE_CODES: dict[Mode, int] = {Mode.FULL: 0, Mode.ANCHOR_ONLY: 1, Mode.SPECULATIVE: 2}
 _HANDSHAKE_HEAD = struct.Struct("<4sBB")
 _HANDSHAKE_MAGIC = b"LXHS"
 _OFFER_HEAD = struct.Struct("<H")
@@ -84,6 +84,9 @@ class Handshake:
     mode: Mode
     codec: CodecConfig
     layout: KVLayout
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.parse(self.mode))  # frozen; a name is accepted
 
     def to_wire(self) -> bytes:
         head = _HANDSHAKE_HEAD.pack(_HANDSHAKE_MAGIC, PROTOCOL_VERSION, _MODE_CODES[self.mode])
@@ -251,12 +254,19 @@ class Segment:
 
 
 class RequestLayout:
-    """The segments of a request of ``n_tokens`` tokens; the same on both sides."""
+    """The segments of a request of ``n_tokens`` tokens and the streams its mode sends;
+    the same on both sides.
 
-    def __init__(self, layout: KVLayout, config: CodecConfig, n_tokens: int) -> None:
+    Both regions are laid out (prefill encodes the Residual whatever the mode), but only
+    :attr:`streams` travel: ``sent_residual_nbytes`` is 0 when the mode sends no Residual,
+    and decode reserves only :attr:`receive_nbytes`.
+    """
+
+    def __init__(self, layout: KVLayout, config: CodecConfig, n_tokens: int, mode: Mode) -> None:
         if n_tokens <= 0:
             raise ValueError(f"a Lynx transfer needs at least one token, got {n_tokens}")
         self.n_tokens = n_tokens
+        self.mode = mode
         self.segments: list[Segment] = []
         anchor_at = residual_at = 0
         for start in range(0, n_tokens, SEGMENT_TOKENS):
@@ -267,6 +277,28 @@ class RequestLayout:
             residual_at += residual
         self.anchor_nbytes = anchor_at
         self.residual_nbytes = residual_at
+
+    @classmethod
+    def of(cls, handshake: Handshake, n_tokens: int) -> RequestLayout:
+        return cls(handshake.layout, handshake.codec, n_tokens, handshake.mode)
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        return (Stream.ANCHOR, Stream.RESIDUAL) if self.mode.sends_residual else (Stream.ANCHOR,)
+
+    @property
+    def sent_residual_nbytes(self) -> int:
+        return self.residual_nbytes if self.mode.sends_residual else 0
+
+    @property
+    def encoded_nbytes(self) -> int:
+        """Send-buffer bytes: both regions."""
+        return self.anchor_nbytes + self.residual_nbytes
+
+    @property
+    def receive_nbytes(self) -> int:
+        """Receive-buffer bytes: the streams that travel."""
+        return self.anchor_nbytes + self.sent_residual_nbytes
 
     def ready(self, tokens_available: int, *, last: bool) -> list[Segment]:
         """Segments wholly inside the first ``tokens_available`` tokens (all if last)."""

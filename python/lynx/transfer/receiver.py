@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lynx.codec import decode_pages
+from lynx.mode import Mode
 from lynx.transfer.arena import arena_over
 from lynx.transfer.protocol import (
     Handshake,
@@ -30,8 +31,10 @@ from lynx.transfer.protocol import (
     ProtocolError,
     RequestLayout,
     Stream,
+    append_offer,
+    is_notice,
 )
-from lynx.transfer.receive import ReceiveState, ReceiveTracker, Upstream, Verdict
+from lynx.transfer.receive_state import ReceiveState, ReceiveTracker, Upstream, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class _Room:
     peer: str  # the prefill server, for error messages
     plan: RequestLayout | None = None
     offset: int | None = None
+    offer: Offer | None = None  # what the request's metadata message carries to prefill
     decoded: bool = False  # at least the Anchor is in the KV pages
     refined: bool = False  # the Anchor and the Residual are
     released: bool = False  # prefill said no write to this space can still arrive
@@ -96,7 +100,7 @@ class ProgressiveReceiver:
         self._landed_bytes = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         return self.handshake.mode
 
     def reserve(self, room: int, n_tokens: int, peer: str) -> Offer | None:
@@ -107,33 +111,48 @@ class ProgressiveReceiver:
         with self._lock:
             state = self._rooms.get(room)
             if state is None:
-                tracker = ReceiveTracker(room, self.handshake.mode, self.handshake, self._deadline_s)
+                tracker = ReceiveTracker(room, self.handshake, self._deadline_s)
                 state = self._rooms[room] = _Room(tracker, n_tokens, peer)
             if state.offset is not None:
                 raise ValueError(f"room {room} already has receive space")
-            plan = RequestLayout(self.handshake.layout, self.handshake.codec, n_tokens)
-            residual = 0 if self.mode == "anchor-only" else plan.residual_nbytes
-            if self._arena.rounded(plan.anchor_nbytes + residual) > self._arena.capacity:
+            plan = RequestLayout.of(self.handshake, n_tokens)
+            if self._arena.rounded(plan.receive_nbytes) > self._arena.capacity:
                 del self._rooms[room]
                 raise ReceiveCapacityError(
-                    f"a request of {n_tokens} tokens needs {plan.anchor_nbytes + residual} bytes of "
+                    f"a request of {n_tokens} tokens needs {plan.receive_nbytes} bytes of "
                     f"receive space, more than the whole buffer ({self._arena.capacity} bytes): "
                     "raise --lynx-buffer-bytes on the decode server"
                 )
-            offset = self._arena.allocate(plan.anchor_nbytes + residual)
+            offset = self._arena.allocate(plan.receive_nbytes)
             if offset is None:
                 return None
+            base = self._buffer.data_ptr() + offset
             state.plan, state.offset = plan, offset
+            state.offer = Offer(
+                self.handshake.to_wire(),
+                base,
+                plan.anchor_nbytes,
+                base + plan.anchor_nbytes if plan.sent_residual_nbytes else 0,
+                plan.sent_residual_nbytes,
+                n_tokens,
+            )
             state.tracker.offered()
-        base = self._buffer.data_ptr() + offset
-        return Offer(
-            self.handshake.to_wire(),
-            base,
-            plan.anchor_nbytes,
-            base + plan.anchor_nbytes if residual else 0,
-            residual,
-            n_tokens,
-        )
+            return state.offer
+
+    def append_offer(self, room: int, frames: list[bytes]) -> list[bytes]:
+        """``frames`` (the request's metadata message to prefill) with its offer appended
+        (:func:`lynx.transfer.protocol.append_offer`); unchanged if it has none."""
+        with self._lock:
+            state = self._rooms.get(room)
+            offer = None if state is None else state.offer
+        return frames if offer is None else append_offer(frames, offer)
+
+    def on_message(self, frames: list[bytes]) -> bool:
+        """Take ``frames`` if they are a Lynx notice (True); False for any other message."""
+        if not is_notice(frames):
+            return False
+        self.on_notice(frames)
+        return True
 
     def knows(self, room: int) -> bool:
         with self._lock:
@@ -169,27 +188,27 @@ class ProgressiveReceiver:
             if state is None:
                 return Verdict.FAIL, f"no Lynx state for room {room}"
             if state.decoded:
-                return Verdict.DECODE, None
+                return Verdict.READY, None
             verdict = state.tracker.verdict(upstream)
             return verdict, state.tracker.error
 
     def residual_verdict(self, room: int) -> tuple[Verdict, str | None]:
         """Speculative mode, after the Anchor was decoded: DECODE once the Residual
-        landed (call :meth:`decode` again to refine), FAIL if it never will."""
+        landed (call :meth:`write_kv` again to refine), FAIL if it never will."""
         with self._lock:
             state = self._rooms.get(room)
             if state is None:
                 return Verdict.FAIL, f"no Lynx state for room {room}"
             return state.tracker.residual_verdict(), state.tracker.error
 
-    def decode(self, room: int, slots: torch.Tensor) -> bool:
+    def write_kv(self, room: int, slots: torch.Tensor) -> bool:
         """Write the landed bytes into the request's KV rows ``slots``: the Anchor, or
         Anchor and Residual once both landed. Speculative mode calls it again after the
         Residual landed, which rewrites the rows at full precision. Returns whether the
         rows now hold the full-precision (Anchor + Residual) values."""
         with self._lock:
             state = self._rooms[room]
-            full = state.tracker.state is ReceiveState.COMPLETE and self.mode != "anchor-only"
+            full = state.tracker.state is ReceiveState.COMPLETE and self.mode.sends_residual
             if state.refined or (state.decoded and not full):
                 return state.refined
             plan, offset = state.plan, state.offset

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 _STREAM_OF_LANE = {Lane.HIGH: Stream.ANCHOR, Lane.LOW: Stream.RESIDUAL}
+_LANE_OF_STREAM = {stream: lane for lane, stream in _STREAM_OF_LANE.items()}
+_NO_OFFER = (
+    "sent no Lynx offer: it runs without --lynx (start both servers with --lynx and the same --lynx-* flags)"
+)
 _ENDED_KEPT = 1 << 16  # failed or aborted rooms remembered, so that their late chunks are dropped
 
 
@@ -112,6 +116,8 @@ class ProgressiveSender:
         self._on_failure = on_failure
         self._lock = threading.RLock()
         self._rooms: dict[int, _Room] = {}
+        # room -> (decode's session, its control endpoint, the accepted offer) or the refusal
+        self._answers: dict[int, tuple[str, Endpoint, Offer] | str] = {}
         self._releasing: set[int] = set()
         self._ended: OrderedDict[int, None] = OrderedDict()
         self._sent = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
@@ -128,16 +134,22 @@ class ProgressiveSender:
 
     # ---- pairing (bootstrap thread) ---------------------------------------------------------
 
-    def answer_offer(self, room: int, offer_bytes: bytes | None, endpoint: Endpoint) -> Offer | str:
-        """Check decode's offer for ``room`` and tell decode ACCEPT or REJECT. Returns the
-        offer, or why it was refused. ``offer_bytes`` None: decode runs without Lynx (it
-        gets no notice, it would not understand one)."""
+    def answer_offer(
+        self, room: int, offer_bytes: bytes | None, endpoint: Endpoint, session: str
+    ) -> Offer | str:
+        """Check decode's offer for ``room`` (from its Mooncake ``session`` at control
+        ``endpoint``), tell decode ACCEPT or REJECT, and remember the answer for
+        :meth:`add_chunk`. Returns the offer, or why it was refused. ``offer_bytes`` None:
+        decode runs without Lynx (it gets no notice, it would not understand one)."""
+        answer = self._check_offer(room, offer_bytes, endpoint)
+        with self._lock:
+            self._answers[room] = answer if isinstance(answer, str) else (session, endpoint, answer)
+        return answer
+
+    def _check_offer(self, room: int, offer_bytes: bytes | None, endpoint: Endpoint) -> Offer | str:
         where = f"decode {endpoint[0]}:{endpoint[1]}"
         if offer_bytes is None:
-            return (
-                f"{where} sent no Lynx offer: it runs without --lynx "
-                "(start both servers with --lynx and the same --lynx-* flags)"
-            )
+            return f"{where} {_NO_OFFER}"
         reason = None
         try:
             offer = Offer.from_wire(offer_bytes)
@@ -154,30 +166,47 @@ class ProgressiveSender:
         )
         return offer
 
+    def refusal(self, room: int) -> str | None:
+        """Why ``room`` cannot be sent with Lynx (no offer came, or it was refused); None
+        once its offer was accepted."""
+        with self._lock:
+            answer = self._answers.get(room)
+        if answer is None:
+            return f"the decode server {_NO_OFFER}"
+        return answer if isinstance(answer, str) else None
+
+    def forget_offer(self, room: int) -> None:
+        """The request is done on this side: drop its answer."""
+        with self._lock:
+            self._answers.pop(room, None)
+
     # ---- scheduler thread -------------------------------------------------------------------
 
-    def add_chunk(
-        self, room: int, peer: str, endpoint: Endpoint, offer: Offer, pages: np.ndarray, last: bool
-    ) -> None:
-        """Queue the request's next chunk (prefill page ids, in order) and pump."""
+    def add_chunk(self, room: int, pages: np.ndarray, last: bool) -> None:
+        """Queue the request's next chunk (prefill page ids, in order) and pump. The room's
+        offer must have been accepted (:meth:`refusal` is None)."""
         with self._lock:
             if room in self._ended:
                 return  # its space on decode may already serve another request
             state = self._rooms.get(room)
             if state is None:
-                plan = RequestLayout(self.handshake.layout, self.handshake.codec, offer.n_tokens)
+                answer = self._answers.get(room)
+                if answer is None or isinstance(answer, str):
+                    raise ValueError(f"room {room} has no accepted Lynx offer")
+                peer, endpoint, offer = answer
+                plan = RequestLayout.of(self.handshake, offer.n_tokens)
                 if (offer.anchor_nbytes, offer.residual_nbytes) != (
                     plan.anchor_nbytes,
-                    plan.residual_nbytes if self.handshake.mode != "anchor-only" else 0,
+                    plan.sent_residual_nbytes,
                 ):
                     self._fail(
                         room,
                         f"decode offered {offer.anchor_nbytes}+{offer.residual_nbytes} bytes "
                         f"for {offer.n_tokens} tokens, this side needs "
-                        f"{plan.anchor_nbytes}+{plan.residual_nbytes}",
+                        f"{plan.anchor_nbytes}+{plan.sent_residual_nbytes}",
                     )
                     return
-                need = plan.anchor_nbytes + plan.residual_nbytes
+                need = plan.encoded_nbytes
                 if self._arena.rounded(need) > self._arena.capacity:  # it would hold up every later room
                     self._fail(
                         room,
@@ -185,7 +214,7 @@ class ProgressiveSender:
                         f"{self._arena.capacity}: raise --lynx-buffer-bytes",
                     )
                     return
-                lanes = (Lane.HIGH,) if self.handshake.mode == "anchor-only" else (Lane.HIGH, Lane.LOW)
+                lanes = tuple(_LANE_OF_STREAM[stream] for stream in plan.streams)
                 state = _Room(room, peer, endpoint, offer, plan, lanes=lanes)
                 self._rooms[room] = state
             if state.closed:
@@ -249,7 +278,7 @@ class ProgressiveSender:
 
     def _start(self, state: _Room) -> bool:
         plan = state.plan
-        offset = self._arena.allocate(plan.anchor_nbytes + plan.residual_nbytes)
+        offset = self._arena.allocate(plan.encoded_nbytes)
         if offset is None:
             return False
         state.offset = offset

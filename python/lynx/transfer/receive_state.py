@@ -1,4 +1,5 @@
-"""Decode-side state of one request's Lynx transfer, and when it may be decoded.
+"""The receive state machine: what decode has heard about one request's Lynx transfer,
+and when its landed bytes may be written into the KV pool.
 
 Upstream's receiver reports ``Success`` once prefill's aux data (the first output token)
 has landed. With Lynx that is not enough: the KV arrives on Lynx's own lanes, and the
@@ -14,7 +15,7 @@ States (``RECEIVE_TRANSITIONS`` is the whole machine, pinned by a test)::
 ``WAITING_SPACE``: no receive space free yet, the metadata message is held back (the
 request waits, it does not fail). ``OFFERED``: metadata and offer are out. ``ACCEPTED``:
 prefill agreed on the settings. ``ANCHOR_READY``/``COMPLETE``: the Anchor / both streams
-landed. A request is decoded once upstream says ``Success`` and it reached
+landed. A request is READY (its bytes go into the KV pool) once upstream says ``Success`` and it reached
 ``ANCHOR_READY`` (modes that start on the Anchor) or ``COMPLETE`` (``full``).
 """
 
@@ -24,7 +25,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from lynx.transfer.protocol import Handshake, Mode, Notice, NoticeKind, ProtocolError, Stream, parse_handshake
+from lynx.transfer.protocol import Handshake, Notice, NoticeKind, ProtocolError, Stream, parse_handshake
 
 
 class ReceiveState(enum.Enum):
@@ -56,7 +57,7 @@ class Upstream(enum.Enum):
 
 class Verdict(enum.Enum):
     WAIT = "wait"
-    DECODE = "decode"
+    READY = "ready"  # write the landed bytes into the KV pool
     FAIL = "fail"
 
 
@@ -65,7 +66,6 @@ class ReceiveTracker:
     """One request's Lynx receive state. Fed by the ZMQ thread, read by the scheduler."""
 
     room: int
-    mode: Mode
     local: Handshake
     deadline_s: float
     state: ReceiveState = ReceiveState.WAITING_SPACE
@@ -121,7 +121,7 @@ class ReceiveTracker:
         if self.state is ReceiveState.ACCEPTED and Stream.ANCHOR in self.landed:
             self.move(ReceiveState.ANCHOR_READY)
         if self.state is ReceiveState.ANCHOR_READY and (
-            Stream.RESIDUAL in self.landed or self.mode == "anchor-only"
+            Stream.RESIDUAL in self.landed or not self.local.mode.sends_residual
         ):
             self.move(ReceiveState.COMPLETE)
 
@@ -145,18 +145,18 @@ class ReceiveTracker:
                 "start it with --lynx and the same --lynx-* flags"
             )
             return Verdict.FAIL
-        wanted = ReceiveState.COMPLETE if self.mode == "full" else ReceiveState.ANCHOR_READY
+        wanted = ReceiveState.ANCHOR_READY if self.local.mode.starts_on_anchor else ReceiveState.COMPLETE
         order = list(RECEIVE_TRANSITIONS)
         if order.index(self.state) >= order.index(wanted):
-            return Verdict.DECODE
+            return Verdict.READY
         return self._past_deadline(now)
 
     def residual_verdict(self, now: float | None = None) -> Verdict:
         """Speculative mode, after decoding started on the Anchor: may the request be
-        refined (DECODE), must it wait, or will its Residual never come (FAIL)?"""
+        refined (READY), must it wait, or will its Residual never come (FAIL)?"""
         now = time.monotonic() if now is None else now
         if self.state is ReceiveState.COMPLETE:
-            return Verdict.DECODE
+            return Verdict.READY
         if self.state is ReceiveState.FAILED:
             return Verdict.FAIL
         if self.upstream_success_at is None:

@@ -1,9 +1,9 @@
 """The main job: a prefill server, a decode server and the PD router on loopback.
 
-    python -m lynx.demo                       # SmolLM2-135M-Instruct, KV over Mooncake TCP
-    python -m lynx.demo --model tiny          # a random tiny Llama, starts faster
-    python -m lynx.demo --lynx-args "--lynx --lynx-mode full"
-    python -m lynx.demo --lynx-args ""        # plain upstream PD, for comparison
+    python -m lynx.tools.demo                       # SmolLM2-135M-Instruct, KV over Mooncake TCP
+    python -m lynx.tools.demo --model tiny          # a random tiny Llama, starts faster
+    python -m lynx.tools.demo --lynx-args "--lynx --lynx-mode full"
+    python -m lynx.tools.demo --lynx-args ""        # plain upstream PD, for comparison
 
 It prepares the model if needed, starts the three processes (Lynx speculative mode by
 default; the decode server then gets ``--disable-overlap-schedule``, which that mode
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from lynx import models
-from lynx.cluster import ClusterError, PDCluster, ServerConfig, http_json, terminate_on_sigterm
+from lynx.tools import models
+from lynx.tools.cluster import ClusterError, PDCluster, ServerConfig, http_json, terminate_on_sigterm
 
 
 def _model_path(choice: str) -> Path:
@@ -91,7 +91,7 @@ def lynx_mode(lynx_args: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lynx.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lynx.tools.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
     parser.add_argument(
         "--prompt",

@@ -1,5 +1,6 @@
-"""Per-request transfer and speculation metrics in Prometheus (``--enable-metrics``),
-decode side.
+"""Lynx's Prometheus metrics (``--enable-metrics``), decode side: they observe the
+transfer of each request (:class:`lynx.transfer.RoomReport`) and what speculation did with
+it (:class:`lynx.verify.SpeculationReport`), so they belong to neither.
 
 Created in the scheduler process after the server set up Prometheus' multi-process
 directory, so the server's ``/metrics`` endpoint collects them with its own.
@@ -7,14 +8,14 @@ directory, so the server's ``/metrics`` endpoint collects them with its own.
 
 from __future__ import annotations
 
-from lynx.transfer.receiver import RoomReport
-from lynx.verify.stats import SpeculationReport
+from lynx.transfer import RoomReport
+from lynx.verify import SpeculationReport
 
 _BYTE_BUCKETS = tuple(float(1 << n) for n in range(12, 34, 2))  # 4 KiB .. 8 GiB
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class TransferMetrics:
+class LynxMetrics:
     def __init__(self, labels: dict[str, str]) -> None:
         from prometheus_client import Counter, Histogram  # after PROMETHEUS_MULTIPROC_DIR is set
 

@@ -1,0 +1,3 @@
+"""Tools around the Lynx library, not part of a server's runtime: start servers and a
+router for tests, demos and benchmarks (:mod:`lynx.tools.cluster`), the demo itself
+(:mod:`lynx.tools.demo`), and the models it runs (:mod:`lynx.tools.models`)."""

@@ -1,0 +1,135 @@
+"""The per-request decisions of speculative mode, as pure functions: may a request
+speculate at all (:func:`unverifiable_because`), what its verify pass commits
+(:func:`decide`), and what is reported about it (:func:`report`).
+
+The SGLang side only adapts: it reads a request's sampling settings into
+:class:`SamplingSettings`, hands the held tokens and the verify pass's logits to
+:func:`decide`, and applies the :class:`VerifyDecision` to the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lynx.verify.acceptance import greedy_agreement, verify_greedy, verify_sampling
+from lynx.verify.state import ParkReason
+from lynx.verify.stats import SpeculationReport
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What decides one request's token choice, as far as verification is concerned."""
+
+    temperature: float
+    top_k: int  # 1 means greedy (the serving engine's normalisation of temperature 0)
+    top_p: float
+    min_p: float
+    vocab_size: int
+    # Per-token features the verify pass cannot reproduce exactly (yet), by name.
+    logprobs: bool = False
+    grammar: bool = False
+    penalties: bool = False
+    min_new_tokens: bool = False
+    logit_bias: bool = False
+    custom_logit_processor: bool = False
+    hidden_states: bool = False
+    watermark: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1
+
+
+def unverifiable_because(sampling: SamplingSettings) -> str | None:
+    """Why the verify pass could not reproduce this request's token choice exactly (then
+    it waits for the Residual instead of speculating), or None."""
+    s = sampling
+    checks = (
+        (not s.greedy and s.top_k < s.vocab_size, "top-k sampling"),
+        (s.top_p < 1.0, "top-p sampling"),
+        (s.min_p > 0.0, "min-p sampling"),
+        (s.logprobs, "logprobs"),
+        (s.grammar, "a grammar"),
+        (s.penalties, "penalties"),
+        (s.min_new_tokens, "min_new_tokens"),
+        (s.logit_bias, "logit_bias"),
+        (s.custom_logit_processor, "a custom logit processor"),
+        (s.hidden_states, "hidden states"),
+        (s.watermark, "a watermark"),
+    )
+    return next((name for present, name in checks if present), None)
+
+
+@dataclass(frozen=True)
+class VerifyDecision:
+    """What one request's verify pass commits: ``t_0``, the first ``accepted`` held tokens,
+    then ``correction`` (the full-precision choice where the first held token was
+    rejected), if any."""
+
+    held: int
+    accepted: int
+    correction: int | None
+    agreed: int | None  # greedy: held tokens equal to the full-precision argmax (teacher-forced)
+
+    @property
+    def rejected(self) -> bool:
+        return self.correction is not None
+
+
+def decide(
+    held: Sequence[int],
+    logits: torch.Tensor | None,
+    sampling: SamplingSettings,
+    *,
+    draft_probs: Sequence[torch.Tensor] | None = None,
+    generator: torch.Generator | None = None,
+) -> VerifyDecision:
+    """Verify ``held`` (tokens decoded on the Anchor after ``t_0``) against ``logits``,
+    the verify pass's (k, vocab) rows on the refined KV (row i predicts held token i).
+
+    ``logits`` None: the request holds no token (nothing to verify). Greedy requests keep
+    the longest prefix equal to the argmax; sampled ones follow the speculative-sampling
+    rule with ``draft_probs`` (the distribution each held token was drawn from)."""
+    if logits is None:
+        if held:
+            raise ValueError(f"{len(held)} held tokens but no verify logits")
+        return VerifyDecision(held=0, accepted=0, correction=None, agreed=None)
+    tokens = torch.tensor(list(held), dtype=torch.int64)
+    if sampling.greedy:
+        outcome = verify_greedy(tokens, logits)
+        agreed: int | None = greedy_agreement(tokens, logits)
+    else:
+        if draft_probs is None or len(draft_probs) != len(held):
+            raise ValueError("a sampled request needs the draft distribution of every held token")
+        outcome = verify_sampling(
+            tokens,
+            torch.stack(list(draft_probs)).float().cpu(),
+            torch.softmax(logits.float() / sampling.temperature, dim=-1),
+            generator=generator,
+        )
+        agreed = None
+    correction = outcome.tokens[-1] if outcome.rejected else None
+    return VerifyDecision(held=outcome.held, accepted=outcome.accepted, correction=correction, agreed=agreed)
+
+
+def report(
+    decision: VerifyDecision,
+    *,
+    park_reason: ParkReason | None,
+    anchor_to_commit_s: float,
+    verify_s: float,
+) -> SpeculationReport:
+    """The request's speculation report (its ``meta_info``, metrics, server stats);
+    ``verify_s``: the verify pass it was part of (0 without one)."""
+    return SpeculationReport(
+        held=decision.held,
+        accepted=decision.accepted,
+        agreed=decision.agreed,
+        rejected=decision.rejected,
+        park_reason=None if park_reason is None else park_reason.value,
+        anchor_to_commit_s=anchor_to_commit_s,
+        verify_s=verify_s,
+    )

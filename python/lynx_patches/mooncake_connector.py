@@ -1,0 +1,309 @@
+"""Lynx's subclasses of SGLang's Mooncake KV manager, sender and receiver.
+
+Swapped in by :mod:`lynx_patches.disaggregation_utils` (``get_kv_class``) when ``--lynx``
+is on; never imported otherwise. They hold no Lynx logic of their own: the manager gets
+this process's :class:`~lynx_patches.runtime.LynxRuntime` (``lynx_attach``) and routes
+upstream's calls to its sender or receiver; every upstream internal they touch goes
+through :mod:`lynx_patches.upstream`. They keep everything upstream does for a request --
+bootstrap, ZMQ control messages, the aux data with the first output token, status,
+heartbeats, aborts -- and replace only the raw KV page copy: prefill hands each chunk's
+pages to :class:`lynx.transfer.ProgressiveSender` and gives upstream's transfer worker an
+empty page list (so it still sends aux data and ``Success``); decode gates upstream's
+``Success`` on :class:`lynx.transfer.ProgressiveReceiver` and decodes the landed bytes
+into the request's KV pages before the scheduler sees ``Success``.
+
+Upstream methods overridden (all in ``sglang.srt.disaggregation``; their signatures are
+in ``upstream.CONTRACT``). Threads: ``_make_worker_recv``'s function runs on upstream's
+bootstrap/status thread; every other method on the scheduler thread.
+
+* ``mooncake.conn.MooncakeKVManager``: ``__init__``, ``_make_worker_recv`` (take Lynx
+  offers off decode's metadata messages on prefill, Lynx notices on decode),
+  ``add_transfer_request`` (prefill: encode and send instead of the page copy),
+  ``build_receiver_metadata_message`` (decode: append the offer),
+  ``_handle_abort_notification`` (prefill: stop the request's lanes), ``teardown``.
+* ``mooncake.conn.MooncakeKVSender``: ``poll`` (hold ``Success`` while chunks wait for
+  send space: their KV pages must stay), ``clear``.
+* ``mooncake.conn.MooncakeKVReceiver``: ``send_metadata`` (reserve receive space first;
+  wait if there is none), ``poll`` (the Lynx gate, then decode), ``abort``, ``clear``.
+
+What upstream pieces Lynx could not reuse: the transfer worker's page copy (it writes
+raw pages into decode's KV pool, which a Lynx request must not see before it is decoded,
+and has no priority), and upstream's staging buffers (``SGLANG_DISAGG_STAGING_BUFFER``:
+they exist for TP-mismatched raw copies, are slot-per-chunk and not registered per
+request). Upstream's status messages have fixed positional fields, so Lynx's notices are
+messages of their own on the same sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVReceiver, MooncakeKVSender
+
+from lynx import settings
+from lynx.transfer import ReceiveCapacityError, RoomReport, Verdict, page_slots
+from lynx.transfer.protocol import split_offer
+from lynx_patches import upstream
+from lynx_patches.runtime import LynxConfigError, LynxRuntime
+
+logger = logging.getLogger(__name__)
+
+
+class LynxKVManager(MooncakeKVManager):
+    # Failure reasons travel with prefill's status messages (upstream's decode parses the
+    # optional frame), so a decode server without Lynx shows why Lynx refused the request.
+    kv_status_msg_carries_reason = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        lynx_settings = settings.current()
+        if lynx_settings is None:
+            raise LynxConfigError("LynxKVManager used without --lynx")
+        self.lynx_settings = lynx_settings
+        self.lynx: LynxRuntime | None = None  # set by lynx_attach, right after construction
+        super().__init__(*args, **kwargs)
+
+    def lynx_attach(self, runtime: LynxRuntime) -> None:
+        self.lynx = runtime
+
+    def teardown(self) -> None:
+        if self.lynx is not None:
+            self.lynx.close()
+        super().teardown()
+
+    # ---- messages (bootstrap/status thread) -------------------------------------------------
+
+    def _make_worker_recv(self, socket: Any, timeout_ms: int = 500) -> Any:
+        recv = super()._make_worker_recv(socket, timeout_ms)
+
+        def lynx_recv() -> list[bytes] | None:
+            msg = recv()
+            if msg is None:
+                return None
+            receiver = self.lynx.receiver if self.lynx is not None else None
+            if receiver is not None and receiver.on_message(msg):
+                return None
+            frames, offer = split_offer(msg)
+            if upstream.manager_is_prefill(self):
+                self._lynx_take_offer(frames, offer)
+            return frames
+
+        return lynx_recv
+
+    def _lynx_take_offer(self, frames: list[bytes], offer: bytes | None) -> None:
+        """Prefill: decode's per-request metadata arrived (with Lynx's offer, or without)."""
+        meta = upstream.parse_metadata_frames(frames)
+        if meta is None or meta.is_dummy:
+            return  # not a request's metadata, or a dummy rank: nothing is sent to it
+        sender = self.lynx.sender if self.lynx is not None else None
+        if sender is None:
+            logger.error(
+                "Lynx: room %s arrived before this prefill server's Lynx sender was ready", meta.room
+            )
+            return
+        sender.answer_offer(meta.room, offer, meta.endpoint, meta.session)
+
+    def _handle_abort_notification(self, msg: list[bytes]) -> bool:
+        room = upstream.aborted_room(msg)
+        if room is not None and self.lynx is not None and self.lynx.sender is not None:
+            self.lynx.sender.abort(room, "decode aborted the request")
+        return super()._handle_abort_notification(msg)
+
+    # ---- prefill: the chunk copy becomes encode + lanes ----------------------------------
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: Any,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        num_kv_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        room = bootstrap_room
+        if upstream.room_is_live(self, room):
+            sender = self.lynx.sender if self.lynx is not None else None
+            reason = (
+                "this prefill server's Lynx sender is not ready" if sender is None else sender.refusal(room)
+            )
+            if reason is None and state_indices:
+                reason = "this model carries extra state (mamba/SWA) Lynx does not send"
+            if reason is not None:
+                logger.error("Lynx: room %s: %s", room, reason)
+                upstream.fail_room(self, room, f"Lynx: {reason}")
+                return
+            assert sender is not None
+            upstream.synchronize_send_events(kwargs)
+            pages = kv_indices.numpy() if isinstance(kv_indices, torch.Tensor) else np.asarray(kv_indices)
+            try:
+                sender.add_chunk(room, pages, is_last_chunk)
+            except Exception as exc:  # a Lynx bug fails this request, not the server
+                logger.exception("Lynx: room %s: sending its KV failed", room)
+                sender.abort(room, "internal error")
+                upstream.fail_room(self, room, f"Lynx internal error: {exc}")
+                return
+            kv_indices = pages[:0]  # upstream's worker still sends the aux data and Success
+        super().add_transfer_request(
+            bootstrap_room,
+            kv_indices,
+            index_slice,
+            is_last_chunk,
+            aux_index=aux_index,
+            state_indices=state_indices,
+            num_kv_tokens=num_kv_tokens,
+            **kwargs,
+        )
+
+    # ---- decode: the offer rides on upstream's metadata message ----------------------------
+
+    def build_receiver_metadata_message(
+        self, *, bootstrap_room: int, is_dummy: bool, **kwargs: Any
+    ) -> list[bytes]:
+        frames = super().build_receiver_metadata_message(
+            bootstrap_room=bootstrap_room, is_dummy=is_dummy, **kwargs
+        )
+        receiver = self.lynx.receiver if self.lynx is not None else None
+        if is_dummy or receiver is None:
+            return frames
+        return receiver.append_offer(bootstrap_room, frames)
+
+
+class LynxKVSender(MooncakeKVSender):
+    kv_mgr: LynxKVManager
+
+    def poll(self) -> int:
+        status = super().poll()
+        lynx = self.kv_mgr.lynx
+        sender = lynx.sender if lynx is not None else None
+        if status == KVPoll.Success and sender is not None and sender.holds_pages(self.bootstrap_room):
+            sender.pump()
+            return KVPoll.Transferring  # its KV pages must stay until they are encoded
+        return status
+
+    def clear(self) -> None:
+        room = self.bootstrap_room
+        lynx = self.kv_mgr.lynx
+        if lynx is not None and lynx.sender is not None:
+            if upstream.room_failed(self.kv_mgr, room):
+                lynx.sender.abort(room, "the request failed on the prefill server")
+            lynx.sender.forget_offer(room)
+        super().clear()
+
+
+class LynxKVReceiver(MooncakeKVReceiver):
+    kv_mgr: LynxKVManager
+    lynx_slots: torch.Tensor | None = None  # the request's KV slots, in token order
+    _lynx_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    _lynx_written = False
+    # Speculative mode: its Anchor is in the KV, the Residual still in flight; the room
+    # outlives this receiver (the SpeculativeDecoder takes it over at commit).
+    lynx_speculating = False
+    lynx_report: RoomReport | None = None
+
+    @property
+    def _lynx(self) -> LynxRuntime:
+        lynx = self.kv_mgr.lynx
+        assert lynx is not None and lynx.receiver is not None, "Lynx's receiver is not built"
+        return lynx
+
+    def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
+        state_indices = upstream.metadata_state_indices(args, kwargs)
+        if state_indices and any(len(s) for s in state_indices if s is not None):
+            self._lynx_fail("this model carries extra state (mamba/SWA) Lynx does not receive")
+            return
+        self.lynx_slots = page_slots(np.asarray(kv_indices), self._lynx.page_size)
+        self._lynx_call = ((kv_indices, *args), kwargs)
+        self._lynx_publish()
+
+    def _lynx_publish(self) -> bool:
+        """Reserve receive space and send the metadata; False while there is none."""
+        receiver = self._lynx.receiver
+        assert receiver is not None and self._lynx_call is not None and self.lynx_slots is not None
+        try:
+            offer = receiver.reserve(self.bootstrap_room, self.lynx_slots.numel(), peer=self.bootstrap_addr)
+        except ReceiveCapacityError as exc:
+            self._lynx_call = None
+            self._lynx_fail(str(exc))
+            return True
+        if offer is None:
+            return False
+        args, kwargs = self._lynx_call
+        self._lynx_call = None
+        super().send_metadata(*args, **kwargs)  # build_receiver_metadata_message appends the offer
+        return True
+
+    def _lynx_fail(self, reason: str) -> None:
+        upstream.fail_receiver(self, f"Lynx: {reason}")
+
+    def poll(self) -> int:
+        if self._lynx_call is not None and not self._lynx_publish():
+            status = super().poll()
+            return status if status == KVPoll.Failed else KVPoll.WaitingForInput
+        status = super().poll()
+        lynx = self._lynx
+        receiver = lynx.receiver
+        assert receiver is not None
+        room = self.bootstrap_room
+        if self._lynx_written or not receiver.knows(room):
+            return status
+        verdict, reason = receiver.verdict(room, upstream.upstream_status(status))
+        if verdict is Verdict.WAIT:
+            return KVPoll.Transferring if status == KVPoll.Success else status
+        if verdict is Verdict.FAIL:
+            if status != KVPoll.Failed:
+                logger.error("Lynx: room %s failed: %s", room, reason)
+                self._lynx_fail(reason or "transfer failed")
+                self.ensure_abort_notified()
+            if lynx.metrics is not None:
+                lynx.metrics.failed()
+            receiver.forget(room)
+            return KVPoll.Failed
+        assert self.lynx_slots is not None
+        try:
+            full = receiver.write_kv(room, self.lynx_slots)
+        except Exception as exc:  # a Lynx bug (or corrupt bytes) fails this request, not the server
+            logger.exception("Lynx: room %s: writing its KV failed", room)
+            self._lynx_fail(f"decoding the received KV failed: {exc}")
+            self.ensure_abort_notified()
+            receiver.forget(room)
+            return KVPoll.Failed
+        self._lynx_written = True
+        if not full and receiver.mode.verifies:
+            self.lynx_speculating = True
+            return status
+        self.lynx_report = receiver.forget(room)
+        if self.lynx_report is not None and lynx.metrics is not None:
+            lynx.metrics.observe(self.lynx_report)
+        return status
+
+    def abort(self) -> None:
+        self._lynx_release()
+        super().abort()
+
+    def clear(self) -> None:
+        if not self.lynx_speculating:
+            self._lynx_release()
+        super().clear()
+
+    def lynx_end_speculation(self) -> None:
+        """The request ended at commit: nobody will verify it."""
+        self.lynx_speculating = False
+        self._lynx_release()
+
+    def _lynx_release(self) -> None:
+        lynx = self.kv_mgr.lynx
+        if lynx is not None and lynx.receiver is not None:
+            lynx.receiver.forget(self.bootstrap_room)
+        self._lynx_call = None
+
+
+LYNX_CLASSES: dict[type, type] = {
+    MooncakeKVManager: LynxKVManager,
+    MooncakeKVSender: LynxKVSender,
+    MooncakeKVReceiver: LynxKVReceiver,
+}

@@ -1,0 +1,168 @@
+"""One Lynx runtime per server process: the settings, the sender (prefill) or receiver
+(decode), the speculative decoder and the metrics, built in one place and found by every
+hook through :func:`current`.
+
+Upstream builds its KV manager in ``PrefillBootstrapQueue._init_kv_manager`` /
+``DecodePreallocQueue._init_kv_manager``; the AROUND hook :func:`build_on_kv_manager`
+(registered by :mod:`lynx_patches.disaggregation_prefill` and
+:mod:`lynx_patches.disaggregation_decode`) then binds Lynx to the KV pool, builds the
+runtime, hands it to the manager and installs it. Without ``--lynx`` nothing is built and
+:func:`current` is None, which every hook reads as "behave as upstream".
+
+Contract of :func:`build_on_kv_manager`: scheduler thread, once per scheduler process,
+before the first request; it may raise :class:`LynxConfigError`, which stops the server
+at start-up with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lynx import codec
+from lynx.lanes import LaneConfig
+from lynx.lanes.mooncake import MooncakeBackend
+from lynx.metrics import LynxMetrics
+from lynx.settings import LynxSettings
+from lynx.transfer import Handshake, ProgressiveReceiver, ProgressiveSender
+from lynx.transfer.protocol import bytes_per_token
+from lynx_patches import upstream
+from lynx_patches.speculative_decoder import SpeculativeDecoder
+
+logger = logging.getLogger(__name__)
+
+
+class LynxConfigError(RuntimeError):
+    """This server's KV pool or parallelism cannot run Lynx (raised at start-up)."""
+
+
+@dataclass
+class LynxRuntime:
+    settings: LynxSettings
+    handshake: Handshake
+    page_size: int
+    sender: ProgressiveSender | None = None  # prefill
+    receiver: ProgressiveReceiver | None = None  # decode
+    decoder: SpeculativeDecoder | None = None  # decode, speculative mode
+    metrics: LynxMetrics | None = None  # decode, --enable-metrics
+    buffer_bytes: int = field(default=0)
+
+    def stats(self) -> dict[str, Any]:
+        """``/server_info``'s ``lynx_transfer``: buffer use, requests in flight, bytes moved,
+        and what speculation did."""
+        side = self.sender or self.receiver
+        stats = {} if side is None else vars(side.stats())
+        if self.decoder is not None:
+            spec = self.decoder.stats
+            stats["speculation"] = {
+                **vars(spec),
+                "acceptance_rate": spec.acceptance_rate,
+                "agreement_rate": spec.agreement_rate,
+            }
+        return stats
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+_current: LynxRuntime | None = None
+
+
+def current() -> LynxRuntime | None:
+    """This process's runtime; None without ``--lynx`` (or before the KV manager exists)."""
+    return _current
+
+
+def speculative_decoder() -> SpeculativeDecoder | None:
+    """This process's speculative decoder (a decode server in speculative mode), or None."""
+    return None if _current is None else _current.decoder
+
+
+def install(runtime: LynxRuntime | None) -> None:
+    """Make ``runtime`` this process's (None: uninstall). Called by :func:`build_on_kv_manager`;
+    tests call it to run hooks against a runtime of their own."""
+    global _current
+    _current = runtime
+
+
+def _buffer_bytes(pool_rows: int, handshake: Handshake, requested: int) -> int:
+    if requested:
+        return requested
+    anchor, residual = bytes_per_token(handshake.layout, handshake.codec)
+    # Every KV row of the pool may be in flight at once; 1 MiB for per-request alignment.
+    return math.ceil(pool_rows * (anchor + residual)) + (1 << 20)
+
+
+def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
+    """Bind Lynx to ``manager`` (a ``LynxKVManager``) and its server's KV ``pool``."""
+    if upstream.manager_is_mla(manager):
+        raise LynxConfigError("--lynx supports MHA/GQA KV pools, not MLA models")
+    k, v = upstream.kv_pool_buffers(pool)
+    try:
+        layout = codec.kv_layout_of(k, v)
+        handshake = Handshake(settings.mode, settings.codec_config(), layout)
+        bytes_per_token(layout, handshake.codec)  # checks group_size against head_dim
+    except codec.CodecError as exc:
+        raise LynxConfigError(f"--lynx cannot encode this KV pool: {exc}") from exc
+    codec.warm_up(k[0].device)  # build or load the native codec now, not on the first request
+    nbytes = _buffer_bytes(k[0].shape[0], handshake, settings.buffer_bytes)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=k[0].device)
+    page_size = upstream.manager_page_size(manager)
+    runtime = LynxRuntime(settings, handshake, page_size, buffer_bytes=nbytes)
+    if upstream.manager_is_prefill(manager):
+        engine, session_id = upstream.manager_transfer_engine(manager)
+        runtime.sender = ProgressiveSender(
+            backend=MooncakeBackend.attach(engine, session_id),
+            buffer=buffer,
+            k_buffers=k,
+            v_buffers=v,
+            page_size=page_size,
+            handshake=handshake,
+            lane_config=LaneConfig(
+                low_chunk_bytes=settings.lane_chunk_bytes,
+                deadline_s=settings.transfer_deadline_s,
+            ),
+            notify=lambda endpoint, frames: upstream.send_to_peer(manager, endpoint, frames),
+            on_failure=lambda room, reason: upstream.fail_room(manager, room, f"Lynx: {reason}"),
+            hold_s=(settings.anchor_hold_s, settings.residual_hold_s),
+        )
+    else:
+        if upstream.metrics_enabled(manager):
+            runtime.metrics = LynxMetrics({"engine_rank": str(upstream.manager_engine_rank(manager))})
+        upstream.register_receive_buffer(manager, buffer.data_ptr(), nbytes)
+        runtime.receiver = ProgressiveReceiver(
+            buffer=buffer,
+            k_buffers=k,
+            v_buffers=v,
+            handshake=handshake,
+            deadline_s=settings.transfer_deadline_s,
+        )
+        if settings.mode.verifies:
+            runtime.decoder = SpeculativeDecoder(
+                runtime.receiver, settings.max_speculative_tokens, page_size, runtime.metrics
+            )
+    logger.info(
+        "Lynx %s side ready: %s; %s buffer %.1f MiB",
+        "prefill" if runtime.sender else "decode",
+        handshake.describe(),
+        "send" if runtime.sender else "receive",
+        nbytes / (1 << 20),
+    )
+    return runtime
+
+
+def build_on_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``{Prefill,Decode}...Queue._init_kv_manager``: upstream builds the manager
+    (Lynx's with ``--lynx``), then Lynx binds to the queue's KV pool."""
+    manager = original(queue, *args, **kwargs)
+    attach = getattr(manager, "lynx_attach", None)
+    if attach is not None:
+        runtime = build(manager, upstream.queue_kv_pool(queue), manager.lynx_settings)
+        attach(runtime)
+        install(runtime)
+    return manager

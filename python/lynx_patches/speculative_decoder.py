@@ -1,0 +1,368 @@
+"""``--lynx-mode speculative`` on SGLang's decode scheduler: decode on the Anchor, hold
+the tokens back, refine the prompt KV when the Residual lands, verify the held tokens in
+one forward pass, commit the accepted prefix plus the correction.
+
+The hook modules call into the one :class:`SpeculativeDecoder` of the scheduler process
+(``lynx_patches.runtime.current().decoder``); a request's state is a :class:`Speculation`
+the decoder keeps by request id. What to accept, commit and report is decided by
+``lynx.verify`` (:func:`lynx.verify.decide`); this class applies it to SGLang's objects,
+through :mod:`lynx_patches.upstream`. The request's life (``lynx.verify.state``):
+
+* the receiver decoded its Anchor and upstream committed the first token ``t_0`` (exact,
+  from prefill): :meth:`SpeculativeDecoder.admit`. The request goes on through
+  upstream's waiting queue and prebuilt batch like any other and decodes in the running
+  batch, mixed with the others, on Anchor KV. Its tokens after ``t_0`` are held: the
+  output streamer skips it (:mod:`lynx_patches.output_streamer`), a finish among held
+  tokens is deferred (:mod:`lynx_patches.schedule_batch`).
+* at the cap, a deferred finish or memory pressure it is PARKED: taken out of the running
+  batch (it keeps its KV) until its Residual lands.
+* every scheduler iteration, right after upstream's ``process_decode_queue`` (the
+  non-overlap loop is quiescent there), :meth:`SpeculativeDecoder.step` polls the
+  Residuals. For each that landed: take the request out of the batch, rewrite its prompt
+  KV at full precision, run ONE extend forward over ``t_0..t_{k-1}`` for all of them
+  (logits at every position), accept, free the KV of rejected positions, check the finish
+  over the committed run, and hand the request back: upstream's prebuilt path re-admits it
+  with its committed tokens (streams them, seeds the next decode input), exactly as it
+  resumes a retracted request; a request the committed run finished is released and
+  answered right away.
+* a Residual that fails or misses its deadline, or an abort while parked: roll back to
+  ``t_0``, finish the request with the abort, release its KV and answer the client.
+
+Greedy requests are verified by argmax. Requests sampled at a temperature (no top-k,
+top-p or min-p) by the speculative-sampling rule: the distribution each held token was
+drawn from is kept (:mod:`lynx_patches.model_runner`), so what is committed is distributed
+exactly as full-precision sampling. Settings the verify pass cannot reproduce exactly
+wait for the Residual instead of speculating (:func:`lynx.verify.unverifiable_because`).
+
+Contract: every method runs on the scheduler thread (hooks in the scheduler loop, the
+sampler, the output streamer); none blocks. :meth:`SpeculativeDecoder.step` runs once per
+iteration where upstream's non-overlap loop is quiescent (no batch in flight);
+:meth:`admit` once per request; the rest may be called any number of times.
+
+Imported at plugin registration, before SGLang may be imported: SGLang names are
+imported where they are used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from lynx.metrics import LynxMetrics
+from lynx.transfer import ProgressiveReceiver, RoomReport, Verdict
+from lynx.verify import (
+    HeldTokens,
+    ParkReason,
+    SamplingSettings,
+    SpecState,
+    SpeculationReport,
+    SpeculationStats,
+    decide,
+    kv_after_commit,
+    report,
+    unverifiable_because,
+)
+from lynx_patches import upstream
+
+logger = logging.getLogger(__name__)
+
+META_INFO_KEY = "lynx_transfer"
+_HOLDING = (SpecState.SPECULATIVE, SpecState.PARKED, SpecState.VERIFYING)
+
+
+@dataclass
+class Speculation:
+    """Lynx's state of one request in speculative mode."""
+
+    room: int
+    slots: torch.Tensor  # the prompt's KV slots, where the receiver writes
+    prompt_len: int
+    held: HeldTokens
+    sampling: SamplingSettings
+    admitted_at: float
+    transfer: RoomReport | None = None
+    report: SpeculationReport | None = None
+    # Sampled requests: the distribution the next token is being drawn from (set by the
+    # sampler hook, taken when the token is held).
+    pending_probs: torch.Tensor | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return self.held.draft_probs is not None
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        receiver: ProgressiveReceiver,
+        cap: int,
+        page_size: int,
+        metrics: LynxMetrics | None,
+    ) -> None:
+        self.receiver = receiver
+        # The acceptance rule's coin flips; seeded from the OS, like upstream's sampler.
+        self._generator = torch.Generator()
+        self._generator.seed()
+        self.cap = cap
+        self.page_size = page_size
+        self.metrics = metrics
+        self.stats = SpeculationStats()
+        self._specs: dict[str, Speculation] = {}  # request id -> its speculation, until it ends
+        self._tracked: dict[int, Any] = {}  # room -> request speculating, parked or waiting
+        self._parked: dict[int, Any] = {}  # room -> request out of every batch, holding its KV
+        self._draining: set[int] = set()  # rooms whose request ended before the Residual landed
+
+    # ---- what the hooks ask ---------------------------------------------------------------
+
+    def speculation_of(self, req: Any) -> Speculation | None:
+        return self._specs.get(req.rid)
+
+    def is_speculating(self, req: Any) -> bool:
+        """Decoding on Anchor KV right now (its new tokens are held)."""
+        spec = self.speculation_of(req)
+        return spec is not None and spec.held.state is SpecState.SPECULATIVE
+
+    def holds_tokens(self, req: Any) -> bool:
+        """Has tokens the client must not see yet."""
+        spec = self.speculation_of(req)
+        return (
+            spec is not None
+            and spec.held.state in _HOLDING
+            and not req.finished()
+            and len(req.output_ids) > 1
+        )
+
+    def sampled_rows(self) -> dict[int, Speculation]:
+        """Request-pool row -> speculation of a sampled request decoding on the Anchor (its
+        draft distributions are kept)."""
+        return {
+            upstream.req_pool_row(req): spec
+            for req in self._tracked.values()
+            if (spec := self.speculation_of(req)) is not None
+            and spec.sampled
+            and spec.held.state is SpecState.SPECULATIVE
+        }
+
+    def parked_requests(self) -> Iterable[Any]:
+        return self._parked.values()
+
+    def holds_kv_outside_batches(self) -> bool:
+        return bool(self._parked)
+
+    # ---- from the hooks ---------------------------------------------------------------------
+
+    def admit(self, req: Any, room: int, slots: torch.Tensor, vocab_size: int) -> None:
+        """Upstream committed ``t_0``; the request's KV pages hold the Anchor."""
+        sampling = upstream.sampling_settings(req, vocab_size)
+        held = HeldTokens(self.cap, draft_probs=None if sampling.greedy else [])
+        spec = Speculation(room, slots, len(req.origin_input_ids), held, sampling, time.monotonic())
+        self._specs[req.rid] = spec
+        self._tracked[room] = req
+        self.stats.active += 1
+        # A streamed response carries request-level info with its first token only (now);
+        # a non-streamed one gets the full report at the end.
+        spec.transfer = self.receiver.report(room)
+        self._report(req, spec)
+        reason = unverifiable_because(sampling)
+        if reason is not None:
+            spec.held.park(ParkReason.UNVERIFIABLE)
+            self.stats.waited += 1
+            logger.debug("Lynx: request %s waits for its Residual: %s", req.rid, reason)
+        else:
+            self.stats.requests += 1
+
+    def hold(self, req: Any, token: int) -> None:
+        """``req`` decoded ``token`` on the Anchor: hold it (parking the request at the cap)."""
+        spec = self.speculation_of(req)
+        assert spec is not None
+        probs, spec.pending_probs = spec.pending_probs, None
+        if spec.sampled and probs is None:
+            raise RuntimeError(f"request {req.rid}: its draft distribution was not kept")
+        spec.held.hold(token, probs)
+
+    def park(self, req: Any, reason: ParkReason) -> None:
+        spec = self.speculation_of(req)
+        assert spec is not None
+        if spec.held.state is SpecState.SPECULATIVE:
+            spec.held.park(reason)
+
+    def hold_out_of_batch(self, reqs: Iterable[Any]) -> None:
+        """``reqs`` (parked) were taken out of the running batch by the caller."""
+        for req in reqs:
+            spec = self.speculation_of(req)
+            assert spec is not None
+            self._parked[spec.room] = req
+
+    # ---- every scheduler iteration ----------------------------------------------------------
+
+    def step(self, scheduler: Any) -> None:
+        if self._draining:
+            self._drain()
+        if not self._tracked:
+            return
+        self._take_out_parked(scheduler)
+        ready, failed = [], []
+        for room, req in list(self._tracked.items()):
+            if req.finished():  # aborted in a batch, or finished on t_0
+                self._end(room, drain=True)
+                continue
+            if room in self._parked and upstream.is_aborting(req):  # aborted while parked
+                failed.append((req, None))
+                continue
+            verdict, reason = self.receiver.residual_verdict(room)
+            if verdict is Verdict.READY:
+                ready.append(req)
+            elif verdict is Verdict.FAIL:
+                failed.append((req, reason or "the Residual did not arrive"))
+        if not ready and not failed:
+            return
+        upstream.remove_from_batches(scheduler, [req for req, _ in failed] + ready)
+        for req, reason in failed:
+            self._fail(scheduler, req, reason)
+        if ready:
+            self._verify_and_commit(scheduler, ready)
+
+    def _take_out_parked(self, scheduler: Any) -> None:
+        newly = [
+            req
+            for room, req in self._tracked.items()
+            if room not in self._parked and self._spec(req).held.state is SpecState.PARKED
+        ]
+        if newly:
+            upstream.remove_from_batches(scheduler, newly)
+            self.hold_out_of_batch(newly)
+
+    # ---- outcomes ---------------------------------------------------------------------------
+
+    def _spec(self, req: Any) -> Speculation:
+        spec = self.speculation_of(req)
+        assert spec is not None, f"request {req.rid} is not tracked by Lynx"
+        return spec
+
+    def _commit(self, scheduler: Any, req: Any, accepted: int, correction: int | None) -> None:
+        """Keep ``t_0``, the first ``accepted`` held tokens and the correction (if any);
+        free the KV of the rest."""
+        spec = self._spec(req)
+        upstream.truncate_output(req, 1 + accepted)
+        if correction is not None:
+            upstream.append_output(req, correction)
+        commit = kv_after_commit(
+            spec.prompt_len, len(req.output_ids), upstream.kv_allocated_len(req), self.page_size
+        )
+        upstream.set_kv_len(scheduler, req, commit.kept, commit.free)
+
+    def _fail(self, scheduler: Any, req: Any, reason: str | None) -> None:
+        """Roll back to ``t_0`` and finish the request: with ``reason`` (the Residual failed)
+        or with the abort the client asked for."""
+        spec = self._spec(req)
+        self._commit(scheduler, req, 0, None)
+        spec.held.move(SpecState.FAILED)
+        if reason is not None:
+            logger.error("Lynx: request %s (room %s) failed: %s", req.rid, spec.room, reason)
+            upstream.abort_with(req, f"Lynx: {reason}")
+        req.update_finish_state()
+        self.stats.failed += 1
+        if self.metrics is not None:
+            self.metrics.failed()
+        self._end(spec.room, drain=reason is None)
+        self._hand_back(scheduler, req)
+
+    @staticmethod
+    def _hand_back(scheduler: Any, req: Any) -> None:
+        """Back to upstream: a finished request is released and answered now, any other
+        re-enters through the waiting queue."""
+        if req.finished():
+            upstream.release_and_answer(scheduler, req)
+        else:
+            upstream.requeue(scheduler, req)
+
+    def _verify_and_commit(self, scheduler: Any, reqs: list[Any]) -> None:
+        refined = []
+        for req in reqs:
+            spec = self._spec(req)
+            spec.held.verifying()
+            try:
+                if not self.receiver.write_kv(spec.room, spec.slots):
+                    raise RuntimeError("the Residual landed but the KV was not refined")
+            except Exception as exc:  # corrupt bytes or a Lynx bug: this request fails, not the server
+                logger.exception("Lynx: room %s: refining its KV failed", spec.room)
+                self._fail(scheduler, req, f"refining the received KV failed: {exc}")
+                continue
+            refined.append(req)
+        drafted = [req for req in refined if len(req.output_ids) > 1]
+        started = time.monotonic()
+        logits = (
+            upstream.run_verify_forward(scheduler, drafted, [self._spec(r).prompt_len for r in drafted])
+            if drafted
+            else []
+        )
+        verify_s = time.monotonic() - started
+        if drafted:
+            self.stats.verify_passes += 1
+            self.stats.verify_seconds += verify_s
+        by_req = {id(req): rows for req, rows in zip(drafted, logits, strict=True)}
+        for req in refined:
+            spec = self._spec(req)
+            if list(req.output_ids[1:]) != spec.held.tokens:
+                raise RuntimeError(f"request {req.rid}: held tokens out of step with its output")
+            rows = by_req.get(id(req))
+            decision = decide(
+                spec.held.tokens,
+                rows,
+                spec.sampling,
+                draft_probs=spec.held.draft_probs,
+                generator=self._generator,
+            )
+            park_reason = spec.held.park_reason
+            spec.held.committed(decision.accepted)
+            self._commit(scheduler, req, decision.accepted, decision.correction)
+            spec.report = report(
+                decision,
+                park_reason=park_reason,
+                anchor_to_commit_s=time.monotonic() - spec.admitted_at,
+                verify_s=verify_s if rows is not None else 0.0,
+            )
+            self.stats.record(spec.report)
+            if self.metrics is not None:
+                self.metrics.speculated(spec.report)
+            if len(req.output_ids) > 1:
+                # Finish checks (EOS, stop strings, max_new_tokens) over the committed run.
+                req.update_finish_state(len(req.output_ids) - 1)
+            self._end(spec.room, drain=False)
+            self._report(req, spec)
+            self._hand_back(scheduler, req)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def _end(self, room: int, *, drain: bool) -> None:
+        req = self._tracked.pop(room, None)
+        self._parked.pop(room, None)
+        spec = self._specs.pop(req.rid, None) if req is not None else None
+        if req is not None:
+            self.stats.active -= 1
+        if drain and self.receiver.residual_verdict(room)[0] is Verdict.WAIT:
+            self._draining.add(room)  # prefill still writes into its receive space
+            return
+        transfer = self.receiver.forget(room)
+        if spec is not None:
+            spec.transfer = transfer
+        if transfer is not None and self.metrics is not None:
+            self.metrics.observe(transfer)
+
+    def _drain(self) -> None:
+        for room in list(self._draining):
+            if self.receiver.residual_verdict(room)[0] is not Verdict.WAIT:
+                self._draining.discard(room)
+                self.receiver.forget(room)
+
+    @staticmethod
+    def _report(req: Any, spec: Speculation) -> None:
+        info = {} if spec.transfer is None else asdict(spec.transfer)
+        if spec.report is not None:
+            info["speculation"] = asdict(spec.report)
+        upstream.set_request_info(req, META_INFO_KEY, info)

@@ -1,0 +1,714 @@
+"""The one boundary between Lynx and SGLang's internals (``sglang==0.5.23``).
+
+Every private attribute, message frame position, batch construction and field write
+Lynx relies on is a named function here; the rest of ``lynx_patches`` calls these and
+reads only the public request fields listed in :data:`CONTRACT`. ``CONTRACT`` names each
+upstream symbol and attribute these functions use; ``test/plugin/test_upstream_contract.py``
+checks every entry (and the metadata frame layout) against the installed SGLang, so an
+upgrade that moves one fails a test naming it instead of a request at run time.
+
+SGLang is imported inside the functions: this module is imported at plugin registration,
+before SGLang may be.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import torch
+
+from lynx.transfer import Upstream
+from lynx.verify import SamplingSettings
+
+CONN = "sglang.srt.disaggregation.mooncake.conn"
+COMMON_CONN = "sglang.srt.disaggregation.common.conn"
+BASE_CONN = "sglang.srt.disaggregation.base.conn"
+SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+TRANSFER_ENGINE = (
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
+)
+
+
+@dataclass(frozen=True)
+class Relied:
+    """One upstream name Lynx relies on: ``owner`` (a module or a class, dotted) and the
+    ``name`` in it; ``kind`` is ``function``/``class``/``member`` (module-level, or an enum
+    member), ``method`` (on the class, with at least ``params``), or ``attribute`` (set on
+    instances: ``self.<name> = ...`` somewhere in the class or its bases)."""
+
+    owner: str
+    name: str
+    kind: str
+    params: tuple[str, ...] = ()
+
+
+def _m(owner: str, name: str, *params: str) -> Relied:
+    return Relied(owner, name, "method", params)
+
+
+def _a(owner: str, name: str) -> Relied:
+    return Relied(owner, name, "attribute")
+
+
+_MANAGER = f"{CONN}.MooncakeKVManager"
+_RECEIVER = f"{CONN}.MooncakeKVReceiver"
+_SENDER = f"{CONN}.MooncakeKVSender"
+_REQ = f"{SCHEDULE_BATCH}.Req"
+_BATCH = f"{SCHEDULE_BATCH}.ScheduleBatch"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+CONTRACT: tuple[Relied, ...] = (
+    # Mooncake connector: what Lynx's subclasses read, call and override.
+    Relied(BASE_CONN, "KVPoll", "class"),
+    Relied(f"{BASE_CONN}.KVPoll", "Success", "member"),
+    Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
+    Relied(f"{BASE_CONN}.KVPoll", "Transferring", "member"),
+    Relied(f"{BASE_CONN}.KVPoll", "WaitingForInput", "member"),
+    Relied(COMMON_CONN, "ABORT_TAG", "member"),
+    Relied(COMMON_CONN, "AbortNotification", "class"),
+    _m(f"{COMMON_CONN}.AbortNotification", "from_zmq", "msg"),
+    Relied("sglang.srt.utils.network", "NetworkAddress", "class"),
+    Relied("sglang.srt.disaggregation.utils", "DisaggregationMode", "class"),
+    _m(_MANAGER, "__init__", "args", "disaggregation_mode", "server_args", "is_mla_backend"),
+    _m(_MANAGER, "_make_worker_recv", "socket", "timeout_ms"),
+    _m(_MANAGER, "_send_multipart_locked", "endpoint", "parts", "is_ipv6"),
+    _m(_MANAGER, "_handle_abort_notification", "msg"),
+    _m(_MANAGER, "add_transfer_request", "bootstrap_room", "kv_indices", "index_slice", "is_last_chunk"),
+    _m(_MANAGER, "build_receiver_metadata_message", "bootstrap_room", "is_dummy"),
+    _m(_MANAGER, "check_status", "bootstrap_room"),
+    _m(_MANAGER, "conclude_failure", "bootstrap_room", "failure_reason"),
+    _m(_MANAGER, "record_failure", "bootstrap_room", "failure_reason"),
+    _m(_MANAGER, "update_status", "bootstrap_room", "status"),
+    _m(_MANAGER, "teardown"),
+    _a(_MANAGER, "request_status"),
+    _a(_MANAGER, "transfer_infos"),
+    _a(_MANAGER, "engine"),
+    _a(_MANAGER, "kv_args"),
+    _a(_MANAGER, "server_args"),
+    _a(_MANAGER, "disaggregation_mode"),
+    _a(_MANAGER, "is_mla_backend"),
+    _m(TRANSFER_ENGINE, "get_session_id"),
+    _m(TRANSFER_ENGINE, "register", "ptr", "length"),
+    _a(TRANSFER_ENGINE, "engine"),
+    _m(_SENDER, "poll"),
+    _m(_SENDER, "clear"),
+    _a(_SENDER, "kv_mgr"),
+    _a(_SENDER, "bootstrap_room"),
+    _m(_RECEIVER, "send_metadata", "kv_indices", "aux_index", "state_indices"),
+    _m(_RECEIVER, "poll"),
+    _m(_RECEIVER, "abort"),
+    _m(_RECEIVER, "clear"),
+    _m(_RECEIVER, "ensure_abort_notified"),
+    _a(_RECEIVER, "kv_mgr"),
+    _a(_RECEIVER, "bootstrap_room"),
+    _a(_RECEIVER, "bootstrap_addr"),
+    _a(_RECEIVER, "conclude_state"),
+    # The queues Lynx hooks, and what it reads off them.
+    _m("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "_init_kv_manager"),
+    _a("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "token_to_kv_pool"),
+    _m("sglang.srt.disaggregation.decode.DecodePreallocQueue", "_init_kv_manager"),
+    _a("sglang.srt.disaggregation.decode.DecodePreallocQueue", "token_to_kv_pool"),
+    _m("sglang.srt.disaggregation.decode.DecodeTransferQueue", "_commit_transfer_to_req", "decode_req"),
+    _a("sglang.srt.disaggregation.decode.DecodeTransferQueue", "scheduler"),
+    _a("sglang.srt.disaggregation.decode.DecodeRequest", "req"),
+    _a("sglang.srt.disaggregation.decode.DecodeRequest", "kv_receiver"),
+    # KV pool.
+    _a("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "k_buffer"),
+    _a("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "v_buffer"),
+    _a("sglang.srt.mem_cache.memory_pool.KVCache", "dtype"),
+    _a("sglang.srt.mem_cache.memory_pool.KVCache", "store_dtype"),
+    # Requests: what Lynx reads, and the fields it writes through this module.
+    _a(_REQ, "rid"),
+    _a(_REQ, "origin_input_ids"),
+    _a(_REQ, "output_ids"),
+    _a(_REQ, "sampling_params"),
+    _a(_REQ, "return_logprob"),
+    _a(_REQ, "grammar"),
+    _a(_REQ, "custom_logit_processor"),
+    _a(_REQ, "return_hidden_states"),
+    _a(_REQ, "to_finish"),
+    _a(_REQ, "finished_reason"),
+    _a(_REQ, "finished_len"),
+    _a(_REQ, "customized_info"),
+    _a(_REQ, "kv"),
+    _m(_REQ, "finished"),
+    _m(_REQ, "update_finish_state", "new_accepted_len"),
+    _a(f"{SCHEDULE_BATCH}.ReqKvInfo", "req_pool_idx"),
+    _a(f"{SCHEDULE_BATCH}.ReqKvInfo", "kv_committed_len"),
+    _a(f"{SCHEDULE_BATCH}.ReqKvInfo", "kv_allocated_len"),
+    Relied(SCHEDULE_BATCH, "FINISH_ABORT", "class"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "temperature"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "top_k"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "top_p"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "min_p"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "frequency_penalty"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "presence_penalty"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "repetition_penalty"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "min_new_tokens"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "logit_bias"),
+    # Batches and the scheduler.
+    _m(_BATCH, "init_new", "reqs", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache"),
+    _m(_BATCH, "filter_batch", "keep_indices"),
+    _m(_BATCH, "is_empty"),
+    _m(_BATCH, "retract_decode"),
+    *(
+        _a(_BATCH, name)
+        for name in (
+            "reqs",
+            "forward_mode",
+            "prefix_lens",
+            "extend_lens",
+            "extend_num_tokens",
+            "extend_logprob_start_lens",
+            "seq_lens",
+            "seq_lens_cpu",
+            "orig_seq_lens",
+            "seq_lens_sum",
+            "req_pool_indices",
+            "out_cache_loc",
+            "input_ids",
+            "multimodal_inputs",
+            "sampling_info",
+        )
+    ),
+    _m(
+        "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo",
+        "from_schedule_batch",
+        "batch",
+        "vocab_size",
+    ),
+    Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "EXTEND", "member"),
+    Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "TARGET_VERIFY", "member"),
+    _a("sglang.srt.layers.logits_processor.LogitsMetadata", "forward_mode"),
+    _m(_SCHEDULER, "is_fully_idle"),
+    _m(_SCHEDULER, "collect_inflight_reqs"),
+    *(
+        _a(_SCHEDULER, name)
+        for name in (
+            "running_batch",
+            "waiting_queue",
+            "tree_cache",
+            "req_to_token_pool",
+            "token_to_kv_pool_allocator",
+            "model_config",
+            "spec_algorithm",
+            "tp_worker",
+            "output_streamer",
+            "disagg_prefill_bootstrap_queue",
+            "disagg_decode_prealloc_queue",
+        )
+    ),
+    Relied("sglang.srt.mem_cache.common", "release_kv_cache", "function"),
+    _m(
+        "sglang.srt.managers.scheduler_components.new_token_ratio_tracker.NewTokenRatioTracker",
+        "estimate_new_token_ratio_after_retract",
+    ),
+    _m("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer", "stream_output"),
+    _m(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
+        "is_request_level_customized_info_key",
+        "key",
+    ),
+    _a(
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
+        "scheduler",
+    ),
+)
+
+
+# ---- Mooncake connector ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetadataFrames:
+    """Decode's per-request metadata message to prefill, as far as Lynx reads it.
+
+    Upstream's layout (``MooncakeKVManager.build_receiver_metadata_message``): frame 0 the
+    room (ASCII digits), 1 decode's host, 2 its port, 3 its Mooncake session id, 4 and 5
+    its KV page ids and aux index, both empty for a dummy rank (nothing is sent to it).
+    """
+
+    room: int
+    endpoint: tuple[str, int]
+    session: str
+    is_dummy: bool
+
+
+def parse_metadata_frames(frames: Sequence[bytes]) -> MetadataFrames | None:
+    """The request fields of a metadata message; None for any other message (e.g. the
+    per-rank registration, whose frame 0 is not a room)."""
+    if len(frames) < 6 or not frames[0].isdigit():
+        return None
+    return MetadataFrames(
+        room=int(frames[0]),
+        endpoint=(frames[1].decode("ascii"), int(frames[2])),
+        session=frames[3].decode("ascii"),
+        is_dummy=frames[4] == b"" and frames[5] == b"",
+    )
+
+
+def aborted_room(msg: Sequence[bytes]) -> int | None:
+    """The room of decode's abort notification, or None if ``msg`` is not one."""
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
+
+    if not msg or msg[0] != ABORT_TAG:
+        return None
+    notification = AbortNotification.from_zmq(list(msg))
+    return None if notification is None else int(notification.room)
+
+
+def upstream_status(status: int) -> Upstream:
+    """Upstream's ``KVPoll`` reduced to what Lynx's receive state needs."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if status == KVPoll.Success:
+        return Upstream.SUCCESS
+    if status == KVPoll.Failed:
+        return Upstream.FAILED
+    return Upstream.PENDING
+
+
+def room_is_live(manager: Any, room: int) -> bool:
+    """Prefill: the request is known, not failed, and has a real (non-dummy) decode rank."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return (
+        room in manager.request_status
+        and manager.check_status(room) != KVPoll.Failed
+        and any(not info.is_dummy for info in manager.transfer_infos.get(room, {}).values())
+    )
+
+
+def room_failed(manager: Any, room: int) -> bool:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return manager.request_status.get(room) == KVPoll.Failed
+
+
+def fail_room(manager: Any, room: int, reason: str) -> None:
+    """Fail the request on this side; upstream tells the peer (with the reason)."""
+    manager.conclude_failure(bootstrap_room=room, failure_reason=reason)
+
+
+def fail_receiver(receiver: Any, reason: str) -> None:
+    """Decode: fail the receiver's request now, with ``reason`` for the client."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    receiver.kv_mgr.record_failure(receiver.bootstrap_room, reason)
+    receiver.kv_mgr.update_status(receiver.bootstrap_room, KVPoll.Failed)
+    receiver.conclude_state = KVPoll.Failed
+
+
+def send_to_peer(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -> None:
+    """Send ``frames`` on upstream's ZMQ socket to a peer's control endpoint."""
+    from sglang.srt.utils.network import NetworkAddress
+
+    address = NetworkAddress(*endpoint)
+    manager._send_multipart_locked(address.to_tcp(), frames, is_ipv6=address.is_ipv6)
+
+
+def manager_transfer_engine(manager: Any) -> tuple[Any, str]:
+    """(the Mooncake ``TransferEngine``, this server's session id)."""
+    return manager.engine.engine, manager.engine.get_session_id()
+
+
+def register_receive_buffer(manager: Any, address: int, nbytes: int) -> None:
+    manager.engine.register(address, nbytes)
+
+
+def manager_page_size(manager: Any) -> int:
+    return int(manager.kv_args.page_size)
+
+
+def manager_engine_rank(manager: Any) -> int:
+    return int(manager.kv_args.engine_rank)
+
+
+def manager_is_prefill(manager: Any) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return manager.disaggregation_mode == DisaggregationMode.PREFILL
+
+
+def manager_is_mla(manager: Any) -> bool:
+    return bool(manager.is_mla_backend)
+
+
+def metrics_enabled(manager: Any) -> bool:
+    return bool(getattr(manager.server_args, "enable_metrics", False))
+
+
+def synchronize_send_events(kwargs: dict[str, Any]) -> None:
+    """Prefill's send path may pass CUDA events that order the page-index copy; Lynx
+    encodes on the scheduler thread, so it waits for them here (and upstream gets none)."""
+    for name in ("wait_event", "indices_event"):
+        event = kwargs.pop(name, None)
+        if event is not None:
+            event.synchronize()
+
+
+def metadata_state_indices(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``state_indices`` of ``MooncakeKVReceiver.send_metadata(kv_indices, aux_index, state_indices)``."""
+    return args[1] if len(args) > 1 else kwargs.get("state_indices")
+
+
+# ---- KV pool and queues ---------------------------------------------------------------------
+
+
+def queue_kv_pool(queue: Any) -> Any:
+    return queue.token_to_kv_pool
+
+
+def kv_pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The per-layer K and V buffers of an MHA KV pool; raises (naming the pool) for any
+    other kind, and for a quantized KV cache."""
+    from lynx_patches.runtime import LynxConfigError
+
+    k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+    if not isinstance(k, list) or not isinstance(v, list):
+        raise LynxConfigError(f"--lynx needs an MHA KV pool with per-layer K/V buffers, got {type(pool)}")
+    if getattr(pool, "store_dtype", pool.dtype) != pool.dtype:
+        raise LynxConfigError(f"--lynx does not support a quantized KV cache ({pool.dtype})")
+    return k, v
+
+
+def free_kv_tokens(scheduler: Any) -> int:
+    return int(scheduler.token_to_kv_pool_allocator.available_size())
+
+
+def vocab_size(scheduler: Any) -> int:
+    return int(scheduler.model_config.vocab_size)
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+def sampling_settings(req: Any, vocab: int) -> SamplingSettings:
+    params = req.sampling_params
+    return SamplingSettings(
+        temperature=float(params.temperature),
+        top_k=int(params.top_k),
+        top_p=float(params.top_p),
+        min_p=float(params.min_p),
+        vocab_size=vocab,
+        logprobs=bool(req.return_logprob),
+        grammar=req.grammar is not None,
+        penalties=bool(
+            params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0
+        ),
+        min_new_tokens=bool(params.min_new_tokens),
+        logit_bias=bool(params.logit_bias),
+        custom_logit_processor=getattr(req, "custom_logit_processor", None) is not None,
+        hidden_states=bool(getattr(req, "return_hidden_states", False)),
+        watermark=getattr(req, "watermark", None) is not None,
+    )
+
+
+def set_request_info(req: Any, key: str, value: dict[str, Any]) -> None:
+    """Put ``value`` into the response's ``meta_info[key]`` (upstream's request-level
+    customized info: one entry per request)."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[key] = [value]
+
+
+def is_aborting(req: Any) -> bool:
+    """An abort (client or server) is pending on the request."""
+    return req.to_finish is not None
+
+
+def abort_with(req: Any, reason: str) -> None:
+    """Finish the request at its next finish check with ``reason`` (HTTP 500)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req.to_finish = FINISH_ABORT(reason, HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def clear_finish(req: Any) -> None:
+    """Undo a finish upstream's check just set (it is deferred until verification)."""
+    req.finished_reason = None
+    req.finished_len = None
+
+
+def truncate_output(req: Any, keep: int) -> None:
+    """Keep the first ``keep`` output tokens."""
+    del req.output_ids[keep:]
+
+
+def append_output(req: Any, token: int) -> None:
+    req.output_ids.append(token)
+
+
+def kv_allocated_len(req: Any) -> int:
+    return int(req.kv.kv_allocated_len)
+
+
+def req_pool_row(req: Any) -> int:
+    return int(req.kv.req_pool_idx)
+
+
+def set_kv_len(scheduler: Any, req: Any, kept: int, free: tuple[int, int] | None) -> None:
+    """The request's KV now ends at ``kept`` tokens; ``free`` ([start, end), page-aligned) goes back to
+    the pool."""
+    if free is not None:
+        scheduler.tree_cache.free_kv_row(req.kv, [free])
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = kept
+
+
+# ---- the scheduler's queues ----------------------------------------------------------------
+
+
+def remove_from_batches(scheduler: Any, reqs: Iterable[Any]) -> None:
+    """Take ``reqs`` out of the running batch and the waiting queue (they keep their KV)."""
+    ids = {id(req) for req in reqs}
+    batch = scheduler.running_batch
+    if any(id(req) in ids for req in batch.reqs):
+        batch.filter_batch(keep_indices=[i for i, req in enumerate(batch.reqs) if id(req) not in ids])
+    if any(id(req) in ids for req in scheduler.waiting_queue):
+        scheduler.waiting_queue = [req for req in scheduler.waiting_queue if id(req) not in ids]
+
+
+def requeue(scheduler: Any, req: Any) -> None:
+    """Back through the waiting queue: upstream's prebuilt path re-admits it with its
+    committed tokens, as it resumes a retracted request."""
+    scheduler.waiting_queue.append(req)
+
+
+def release_and_answer(scheduler: Any, req: Any) -> None:
+    """A finished request: free its KV and answer the client (upstream's prebuilt path
+    refuses finished requests)."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
+    scheduler.output_streamer.stream_output([req], req.return_logprob)
+
+
+def batch_without(batch: Any, remove: Sequence[int]) -> None:
+    """Drop rows ``remove`` of ``batch`` (their requests keep their KV)."""
+    gone = set(remove)
+    batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i not in gone])
+
+
+def nothing_retracted(parked: list[Any]) -> tuple[list[Any], float, list[Any]]:
+    """``retract_decode``'s result when Lynx parked every request of the batch instead."""
+    from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
+
+    return [], NewTokenRatioTracker.estimate_new_token_ratio_after_retract(parked), []
+
+
+# ---- the verify forward ----------------------------------------------------------------------
+
+_verify_pass = threading.local()
+
+
+def verify_pass_active() -> bool:
+    """True while :func:`run_verify_forward` runs (on this thread)."""
+    return getattr(_verify_pass, "active", False)
+
+
+def keep_all_positions(metadata: Any) -> None:
+    """Make the logits processor return a row per position (upstream does so for
+    TARGET_VERIFY), not only each request's last."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    metadata.forward_mode = ForwardMode.TARGET_VERIFY
+
+
+def decode_forward_rows(forward_batch: Any, n_rows: int) -> list[int] | None:
+    """The request-pool rows of a decode forward's first ``n_rows`` rows; None if it is
+    not a decode forward."""
+    if not forward_batch.forward_mode.is_decode():
+        return None
+    return forward_batch.req_pool_indices[:n_rows].tolist()
+
+
+def next_token_logits(logits_output: Any) -> torch.Tensor:
+    return logits_output.next_token_logits
+
+
+def run_verify_forward(scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+    """One extend forward over ``t_0..t_{k-1}`` of each request (k = its output length - 1)
+    on its KV, rewriting the KV of those positions in place; returns each request's
+    (k, vocab) float32 CPU logits."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    device = scheduler.req_to_token_pool.device
+    table = scheduler.req_to_token_pool.req_to_token
+    extend_lens, seq_lens, rows, tokens, slots = [], [], [], [], []
+    for req, prompt_len in zip(reqs, prompt_lens, strict=True):
+        k = len(req.output_ids) - 1
+        if kv_allocated_len(req) != prompt_len + k:
+            raise RuntimeError(
+                f"request {req.rid}: {kv_allocated_len(req)} KV slots for a prompt of "
+                f"{prompt_len} and {k} held tokens"
+            )
+        row = req_pool_row(req)
+        extend_lens.append(k)
+        seq_lens.append(prompt_len + k)
+        rows.append(row)
+        tokens.extend(req.output_ids[:k])
+        slots.append(table[row, prompt_len : prompt_len + k])
+    batch = ScheduleBatch.init_new(
+        list(reqs),
+        scheduler.req_to_token_pool,
+        scheduler.token_to_kv_pool_allocator,
+        scheduler.tree_cache,
+        scheduler.model_config,
+        False,
+        scheduler.spec_algorithm,
+    )
+    batch.forward_mode = ForwardMode.EXTEND
+    batch.prefix_lens = list(prompt_lens)
+    batch.extend_lens = extend_lens
+    batch.extend_num_tokens = sum(extend_lens)
+    batch.extend_logprob_start_lens = list(extend_lens)
+    batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+    batch.orig_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    batch.seq_lens_sum = sum(seq_lens)
+    batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=device)
+    batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
+    batch.out_cache_loc = torch.cat(slots).to(torch.int64)
+    batch.input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+    batch.multimodal_inputs = [None] * len(reqs)
+    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, vocab_size(scheduler))
+    _verify_pass.active = True
+    try:
+        result = scheduler.tp_worker.forward_batch_generation(batch, is_verify=True)
+    finally:
+        _verify_pass.active = False
+    logits = next_token_logits(result.logits_output)
+    if logits.shape[0] != batch.extend_num_tokens:
+        raise RuntimeError(f"verify forward gave {logits.shape[0]} logit rows for {batch.extend_num_tokens}")
+    return list(logits.float().cpu().split(extend_lens))
+
+
+# ---- the contract, checked ------------------------------------------------------------------
+
+
+def _resolve(dotted: str) -> Any:
+    """The module, class or member at ``dotted`` (a module path, then attributes)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(f"no module in {dotted}")
+
+
+def _instance_attributes(cls: type) -> set[str]:
+    """Names assigned as ``self.<name>`` in the source of ``cls`` and its bases, and the
+    class-level (annotated or assigned) names."""
+    import ast
+    import inspect
+    import textwrap
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        names.update(vars(klass))
+        names.update(getattr(klass, "__annotations__", {}))
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+                targets = [node.target]
+            for target in targets:
+                for sub in ast.walk(target):
+                    if (
+                        isinstance(sub, ast.Attribute)
+                        and isinstance(sub.value, ast.Name)
+                        and sub.value.id == "self"
+                    ):
+                        names.add(sub.attr)
+    return names
+
+
+def contract_violations(contract: Iterable[Relied] = CONTRACT) -> list[str]:
+    """Each relied-upon name the installed SGLang no longer has, as a sentence naming it."""
+    import inspect
+
+    problems = []
+    for relied in contract:
+        where = f"{relied.owner}.{relied.name}"
+        try:
+            owner = _resolve(relied.owner)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{relied.owner}: cannot import ({exc})")
+            continue
+        if relied.kind == "attribute":
+            if not isinstance(owner, type) or relied.name not in _instance_attributes(owner):
+                problems.append(f"{where}: no such attribute is set on instances")
+            continue
+        if not hasattr(owner, relied.name):
+            problems.append(f"{where}: missing")
+            continue
+        if relied.kind == "method":
+            try:
+                params = inspect.signature(getattr(owner, relied.name)).parameters
+            except (TypeError, ValueError):
+                continue
+            missing = [p for p in relied.params if p not in params]
+            if missing:
+                problems.append(f"{where}: parameters {missing} missing (has {list(params)})")
+    return problems
+
+
+def metadata_frames_violation() -> str | None:
+    """Whether upstream's metadata message still has the layout
+    :func:`parse_metadata_frames` reads (built by upstream's own method)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    fake = SimpleNamespace(local_ip="10.1.2.3", rank_port=4567, get_session_id=lambda: "10.1.2.3:9999")
+    build = MooncakeKVManager.build_receiver_metadata_message
+    fields = {"required_dst_info_num": 1, "state_indices": None, "decode_prefix_len": 0}
+    real = build(
+        fake, bootstrap_room=42, kv_indices=np.array([1, 2], np.int32), aux_index=3, is_dummy=False, **fields
+    )
+    dummy = build(
+        fake, bootstrap_room=43, kv_indices=np.array([], np.int32), aux_index=None, is_dummy=True, **fields
+    )
+    want = (
+        MetadataFrames(42, ("10.1.2.3", 4567), "10.1.2.3:9999", False),
+        MetadataFrames(43, ("10.1.2.3", 4567), "10.1.2.3:9999", True),
+    )
+    got = (parse_metadata_frames(real), parse_metadata_frames(dummy))
+    return (
+        None if got == want else f"metadata frames parse as {got}, expected {want} (frames {real}, {dummy})"
+    )
+
+
+if __name__ == "__main__":  # python -m lynx_patches.upstream: check the installed SGLang
+    import sys
+
+    from lynx_patches import sgl_kernel
+    from lynx_patches._hooks import is_cpu_engine
+
+    if is_cpu_engine():
+        sgl_kernel.install()
+    found = contract_violations()
+    frames = metadata_frames_violation()
+    for line in [*found, *([frames] if frames else [])]:
+        print(line)
+    sys.exit(1 if found or frames else 0)

@@ -1,0 +1,100 @@
+"""The per-request decisions of speculative mode (``lynx.verify.decision``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lynx.verify import ParkReason, SamplingSettings, decide, report, unverifiable_because
+
+VOCAB = 8
+GREEDY = SamplingSettings(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, vocab_size=VOCAB)
+SAMPLED = dataclasses.replace(GREEDY, top_k=VOCAB, temperature=0.7)
+
+
+def logits_choosing(*tokens: int) -> torch.Tensor:
+    rows = torch.zeros(len(tokens), VOCAB)
+    for i, token in enumerate(tokens):
+        rows[i, token] = 5.0
+    return rows
+
+
+def test_greedy_keeps_the_matching_prefix_and_corrects_the_first_miss() -> None:
+    decision = decide([3, 4, 5, 6], logits_choosing(3, 4, 1, 6), GREEDY)
+    assert (decision.held, decision.accepted, decision.correction) == (4, 2, 1)
+    assert decision.rejected
+    assert decision.agreed == 3  # teacher-forced: position 3 agrees again
+
+
+def test_greedy_all_accepted_commits_no_correction() -> None:
+    decision = decide([3, 4], logits_choosing(3, 4), GREEDY)
+    assert (decision.accepted, decision.correction, decision.rejected, decision.agreed) == (2, None, False, 2)
+
+
+def test_nothing_held_decides_nothing() -> None:
+    decision = decide([], None, GREEDY)
+    assert (decision.held, decision.accepted, decision.correction, decision.agreed) == (0, 0, None, None)
+    with pytest.raises(ValueError, match="no verify logits"):
+        decide([1], None, GREEDY)
+
+
+def test_sampled_requests_follow_the_speculative_sampling_rule() -> None:
+    # Draft and target agree exactly: every held token is accepted, whatever the coin says.
+    logits = logits_choosing(2, 5)
+    probs = list(torch.softmax(logits / SAMPLED.temperature, dim=-1))
+    decision = decide([2, 5], logits, SAMPLED, draft_probs=probs, generator=torch.Generator().manual_seed(0))
+    assert (decision.accepted, decision.correction, decision.agreed) == (2, None, None)
+    # The draft put all its mass on a token the target never picks: rejected, corrected.
+    draft = torch.zeros(VOCAB)
+    draft[7] = 1.0
+    target = torch.full((1, VOCAB), -1e4)
+    target[0, 4] = 0.0
+    decision = decide([7], target, SAMPLED, draft_probs=[draft], generator=torch.Generator().manual_seed(0))
+    assert (decision.accepted, decision.correction) == (0, 4)
+
+
+def test_sampled_requests_need_every_draft_distribution() -> None:
+    with pytest.raises(ValueError, match="draft distribution of every held token"):
+        decide([2, 5], logits_choosing(2, 5), SAMPLED, draft_probs=[torch.ones(VOCAB)])
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({}, None),
+        ({"top_k": VOCAB, "temperature": 0.8}, None),  # plain temperature sampling speculates
+        ({"top_k": 4, "temperature": 0.8}, "top-k sampling"),
+        ({"top_p": 0.9}, "top-p sampling"),
+        ({"min_p": 0.1}, "min-p sampling"),
+        ({"logprobs": True}, "logprobs"),
+        ({"grammar": True}, "a grammar"),
+        ({"penalties": True}, "penalties"),
+        ({"min_new_tokens": True}, "min_new_tokens"),
+        ({"logit_bias": True}, "logit_bias"),
+        ({"custom_logit_processor": True}, "a custom logit processor"),
+        ({"hidden_states": True}, "hidden states"),
+        ({"watermark": True}, "a watermark"),
+    ],
+)
+def test_what_waits_for_the_residual(change: dict, reason: str | None) -> None:
+    assert unverifiable_because(dataclasses.replace(GREEDY, **change)) == reason
+
+
+def test_the_report_carries_the_decision() -> None:
+    decision = decide([3, 4, 5], logits_choosing(3, 0, 5), GREEDY)
+    out = report(decision, park_reason=ParkReason.CAP, anchor_to_commit_s=1.5, verify_s=0.25)
+    assert dataclasses.asdict(out) == {
+        "held": 3,
+        "accepted": 1,
+        "agreed": 2,
+        "rejected": True,
+        "park_reason": ParkReason.CAP.value,
+        "anchor_to_commit_s": 1.5,
+        "verify_s": 0.25,
+    }
+    assert (
+        report(decide([], None, GREEDY), park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0).park_reason
+        is None
+    )
