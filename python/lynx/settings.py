@@ -34,6 +34,9 @@ class LynxSettingsError(ValueError):
 
 CODEC_FIELDS = ("anchor_bits", "group_size", "residual", "key_layout", "key_block")
 _CODEC_DEFAULTS = CodecConfig()
+# Protected tokens are meant to be a few sinks and a recent window; more than this is a
+# typo, and would move most of a long prompt's Residual onto the Anchor lane.
+_MAX_PROTECTED = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class LynxSettings:
     residual: ResidualMode = _CODEC_DEFAULTS.residual
     key_layout: KeyLayout = _CODEC_DEFAULTS.key_layout
     key_block: int = _CODEC_DEFAULTS.key_block
+    # The first / last prompt tokens of each request travel at full precision with the
+    # Anchor (attention sinks, the recent window). Paired: part of the handshake.
+    protect_first: int = 0
+    protect_last: int = 0
     max_speculative_tokens: int = 32
     # Greedy verification accepts a held token whose full-precision log-probability is
     # within this gap of the best one (0: strict argmax, exact). Decode only, not paired.
@@ -72,6 +79,12 @@ class LynxSettings:
         except CodecInputError as exc:
             field, _, rest = str(exc).partition(" ")
             raise LynxSettingsError(f"{flag_of(field) if field in CODEC_FIELDS else field} {rest}") from None
+        for protect in ("protect_first", "protect_last"):
+            value = getattr(self, protect)
+            if not 0 <= value <= _MAX_PROTECTED:
+                raise LynxSettingsError(
+                    f"{flag_of(protect)} must be a token count in 0..{_MAX_PROTECTED}, got {value}"
+                )
         if self.max_speculative_tokens < 1:
             raise LynxSettingsError(
                 f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"

@@ -41,6 +41,15 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "residual": (str, "Residual: int8 (Anchor+Residual = INT8) or exact (bit-exact BF16/FP16)."),
     "key_layout": (str, "Key groups: per_channel (over key-block tokens) or per_token."),
     "key_block": (int, "Tokens per per-channel key group."),
+    "protect_first": (
+        int,
+        "First prompt tokens sent at full precision with the Anchor (rounded up to a key-block multiple).",
+    ),
+    "protect_last": (
+        int,
+        "Last prompt tokens sent at full precision with the Anchor (start rounded down to a "
+        "key-block multiple).",
+    ),
     "max_speculative_tokens": (int, "Most tokens a request may hold back before its Residual lands."),
     "verify_tolerance": (
         float,

@@ -26,6 +26,8 @@ LYNX_FLAGS = [
     "--lynx-residual",
     "--lynx-key-layout",
     "--lynx-key-block",
+    "--lynx-protect-first",
+    "--lynx-protect-last",
     "--lynx-max-speculative-tokens",
     "--lynx-verify-tolerance",
     "--lynx-lane-chunk-bytes",

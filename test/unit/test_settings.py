@@ -22,6 +22,8 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
         ({"residual": "int4"}, "--lynx-residual"),
         ({"key_layout": "diagonal"}, "--lynx-key-layout"),
         ({"key_block": 3}, "--lynx-key-block"),
+        ({"protect_first": -1}, "--lynx-protect-first must be a token count in 0..65536, got -1"),
+        ({"protect_last": 65537}, "--lynx-protect-last must be a token count in 0..65536, got 65537"),
         ({"max_speculative_tokens": 0}, "--lynx-max-speculative-tokens"),
         ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes"),
         ({"transfer_deadline_s": 0.0}, "--lynx-transfer-deadline"),
@@ -30,6 +32,12 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
 def test_invalid_values_name_their_flag(kwargs: dict, message: str) -> None:
     with pytest.raises(LynxSettingsError, match=message):
         LynxSettings(**kwargs)
+
+
+def test_protected_tokens_are_counted_from_zero_to_the_bound() -> None:
+    assert (LynxSettings().protect_first, LynxSettings().protect_last) == (0, 0)
+    widest = LynxSettings(protect_first=65536, protect_last=65536)
+    assert LynxSettings.from_json(widest.to_json()) == widest
 
 
 def test_from_json_rejects_unknown_and_malformed_settings() -> None:

@@ -30,6 +30,7 @@ from lynx.transfer.protocol import (
     bytes_per_token,
     is_notice,
     parse_handshake,
+    protection_cost,
     split_offer,
 )
 
@@ -40,6 +41,8 @@ ODD = Handshake(
     "anchor-only",
     CodecConfig(anchor_bits=3, group_size=16, residual="exact", key_layout="per_token", key_block=32),
     KVLayout(28, 4, 128, torch.float16),
+    protect_first=4,
+    protect_last=300,
 )
 ROOM = 0x0102030405060708
 ROOM_LE = "0807060504030201"
@@ -49,28 +52,33 @@ ROOM_LE = "0807060504030201"
 
 
 def test_protocol_version_and_tag_are_pinned() -> None:
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
     assert TAG == b"LYNX1"
     assert SEGMENT_TOKENS == 256
 
 
 def test_handshake_wire_bytes_are_pinned() -> None:
     assert HANDSHAKE.to_wire().hex() == (
-        "4c584853" "01" "00"  # b"LXHS", protocol v1, mode full
+        "4c584853" "02" "00"  # b"LXHS", protocol v2, mode full
+        "00000000" "00000000"  # protect_first 0, protect_last 0
         "4c5843" "01" "04" "2000" "00" "00" "1000"  # b"LXC" v1, 4 bits, group 32, int8, per_channel, 16
         "4c584c" "01" "0400" "0200" "4000" "00"  # b"LXL" v1, 4 layers, 2 heads, head_dim 64, bf16
     )  # fmt: skip
     assert ODD.to_wire().hex() == (
-        "4c584853" "01" "01"  # anchor-only
+        "4c584853" "02" "01"  # anchor-only
+        "04000000" "2c010000"  # protect_first 4, protect_last 300
         "4c5843" "01" "03" "1000" "01" "01" "2000"  # 3 bits, group 16, exact, per_token, 32
         "4c584c" "01" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
     )  # fmt: skip
     speculative = Handshake("speculative", CodecConfig(), LAYOUT).to_wire()
     assert speculative[5] == 2
-    assert len(HANDSHAKE.to_wire()) == 28
+    assert len(HANDSHAKE.to_wire()) == len(ODD.to_wire()) == 36
 
 
-@pytest.mark.parametrize("handshake", [HANDSHAKE, ODD, Handshake("speculative", CodecConfig(), LAYOUT)])
+@pytest.mark.parametrize(
+    "handshake",
+    [HANDSHAKE, ODD, Handshake("speculative", CodecConfig(), LAYOUT, protect_first=1 << 16, protect_last=7)],
+)
 def test_handshake_round_trips(handshake: Handshake) -> None:
     assert Handshake.from_wire(handshake.to_wire()) == handshake
     assert parse_handshake(handshake.to_wire()) == handshake
@@ -81,8 +89,10 @@ def test_handshake_round_trips(handshake: Handshake) -> None:
     [
         (lambda w: w[:5], "too short"),
         (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
-        (lambda w: w[:4] + bytes([2]) + w[5:], "protocol v2, this server v1"),
+        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v2"),
+        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v2"),  # any version's head
         (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
+        (lambda w: w[:10], "10 bytes, too short"),  # truncated protection
     ],
 )
 def test_handshake_from_wire_errors(mutate, message: str) -> None:
@@ -95,9 +105,9 @@ def test_handshake_from_wire_errors(mutate, message: str) -> None:
     [
         lambda w: w[:-1],  # truncated layout
         lambda w: w + b"\0",  # trailing byte
-        lambda w: w[:10],  # truncated codec settings
-        lambda w: w[:6] + b"LXQ" + w[9:],  # the codec's own magic
-        lambda w: w[:9] + bytes([7]) + w[10:],  # codec wire version
+        lambda w: w[:20],  # truncated codec settings
+        lambda w: w[:14] + b"LXQ" + w[17:],  # the codec's own magic
+        lambda w: w[:17] + bytes([7]) + w[18:],  # codec wire version
         lambda w: w[:-1] + bytes([9]),  # unknown dtype code
     ],
 )
@@ -119,12 +129,23 @@ def test_mismatch_names_both_sides_settings() -> None:
     other_mode = Handshake("anchor-only", CodecConfig(), LAYOUT)
     message = HANDSHAKE.mismatch(other_mode, this="a", other="b")
     assert message is not None and "mode=full" in message and "mode=anchor-only" in message
+    protected = Handshake("full", CodecConfig(), LAYOUT, protect_first=4, protect_last=64)
+    message = HANDSHAKE.mismatch(protected, this="a", other="b")
+    assert message is not None
+    assert "a (mode=full " in message and "protect_first=0 protect_last=0" in message
+    assert "b (mode=full " in message and "protect_first=4 protect_last=64" in message
+
+
+@pytest.mark.parametrize(("first", "last"), [(-1, 0), (0, -1), (1 << 32, 0)])
+def test_protected_counts_must_fit_the_wire(first: int, last: int) -> None:
+    with pytest.raises(ValueError, match="protected token counts"):
+        Handshake("full", CodecConfig(), LAYOUT, protect_first=first, protect_last=last)
 
 
 def test_describe_lists_every_setting() -> None:
     assert ODD.describe() == (
         "mode=anchor-only anchor_bits=3 group_size=16 residual=exact key_layout=per_token "
-        "key_block=32 kv=[28 layers x 4 heads x 128, float16]"
+        "key_block=32 protect_first=4 protect_last=300 kv=[28 layers x 4 heads x 128, float16]"
     )
 
 
@@ -135,7 +156,7 @@ def test_offer_wire_bytes_are_pinned_and_round_trip() -> None:
     offer = Offer(HANDSHAKE.to_wire(), 0x1000, 4096, 0x2000, 8192, 300)
     wire = offer.to_wire()
     assert wire.hex() == (
-        "1c00"  # handshake length 28
+        "2400"  # handshake length 36
         + HANDSHAKE.to_wire().hex()
         + "0010000000000000"  # anchor address
         + "0010000000000000"  # anchor bytes
@@ -257,9 +278,139 @@ def test_request_layout_segments(config: CodecConfig, n_tokens: int) -> None:
     for s in segments:
         assert (s.anchor_nbytes, s.residual_nbytes) == segment_nbytes(LAYOUT, s.end - s.start, config)
         assert (s.anchor_offset, s.residual_offset) == (anchor_at, residual_at)  # back to back
+        assert not s.protected
         anchor_at += s.anchor_nbytes
         residual_at += s.residual_nbytes
     assert (plan.anchor_nbytes, plan.residual_nbytes) == (anchor_at, residual_at)
+    assert (plan.protect_until, plan.protect_from, plan.protected_tokens) == (0, n_tokens, 0)
+    assert plan.streams == (Stream.ANCHOR, Stream.RESIDUAL)
+    protected = RequestLayout.of(Handshake("full", config, LAYOUT, protect_first=0, protect_last=0), n_tokens)
+    assert protected.segments == plan.segments  # no protection: the v1 layout, byte for byte
+
+
+def check_protected_layout(plan: RequestLayout, layout: KVLayout, config: CodecConfig) -> None:
+    """Segments tile the request; each one's Anchor, then (protected) its Residual, sit back
+    to back in the Anchor region, unprotected Residuals back to back in the Residual region."""
+    anchor_at = residual_at = 0
+    assert plan.segments[0].start == 0 and plan.segments[-1].end == plan.n_tokens
+    for s, after in itertools.pairwise([*plan.segments, None]):
+        assert 0 < s.end - s.start <= SEGMENT_TOKENS
+        assert after is None or after.start == s.end
+        assert s.protected == (s.end <= plan.protect_until or s.start >= plan.protect_from)
+        assert (s.anchor_nbytes, s.residual_nbytes) == segment_nbytes(layout, s.end - s.start, config)
+        assert s.anchor_offset == anchor_at
+        anchor_at += s.anchor_nbytes
+        anchor, residual = plan.byte_ranges(s)
+        assert anchor == slice(s.anchor_offset, anchor_at)
+        if s.protected:
+            assert (s.residual_stream, s.residual_offset) == (Stream.ANCHOR, anchor_at)
+            assert residual == slice(anchor_at, anchor_at + s.residual_nbytes)
+            anchor_at += s.residual_nbytes
+        else:
+            assert (s.residual_stream, s.residual_offset) == (Stream.RESIDUAL, residual_at)
+            start = plan.anchor_nbytes + residual_at
+            assert residual == slice(start, start + s.residual_nbytes)
+            residual_at += s.residual_nbytes
+    assert (plan.anchor_nbytes, plan.residual_nbytes) == (anchor_at, residual_at)
+    assert plan.encoded_nbytes == sum(
+        sum(segment_nbytes(layout, s.end - s.start, config)) for s in plan.segments
+    )
+
+
+@pytest.mark.parametrize(
+    ("n_tokens", "first", "last", "config", "cuts", "protected"),
+    [
+        # first rounded up to 16, last 40 -> tail from 560 (a multiple of 16 already)
+        (600, 5, 40, CodecConfig(), [0, 16, 256, 512, 560], [1, 0, 0, 0, 1]),
+        (600, 300, 0, CodecConfig(), [0, 256, 304, 512], [1, 1, 0, 0]),  # 300 -> 304
+        (600, 0, 100, CodecConfig(key_block=64), [0, 256, 448, 512], [0, 0, 1, 1]),  # 500 -> 448
+        (600, 256, 88, CodecConfig(), [0, 256, 512], [1, 0, 1]),  # on segment bounds: no new cut
+        (600, 5, 3, CodecConfig(key_layout="per_token"), [0, 5, 256, 512, 597], [1, 0, 0, 0, 1]),
+        (600, 300, 300, CodecConfig(), [0, 256, 512], [1, 1, 1]),  # the ranges overlap: all
+        (600, 0, 600, CodecConfig(), [0, 256, 512], [1, 1, 1]),
+        (600, 1 << 16, 0, CodecConfig(), [0, 256, 512], [1, 1, 1]),
+        (20, 1, 1, CodecConfig(), [0], [1]),  # [0, 16) and [16, 20) meet
+        (40, 1, 1, CodecConfig(), [0, 16, 32], [1, 0, 1]),  # 39 -> 32
+        (1, 1, 0, CodecConfig(), [0], [1]),
+    ],
+)
+@pytest.mark.parametrize("mode", list(Mode))
+def test_request_layout_with_protected_tokens(
+    n_tokens: int,
+    first: int,
+    last: int,
+    config: CodecConfig,
+    cuts: list[int],
+    protected: list[int],
+    mode: Mode,
+) -> None:
+    handshake = Handshake(mode, config, LAYOUT, protect_first=first, protect_last=last)
+    plan = RequestLayout.of(handshake, n_tokens)
+    assert [s.start for s in plan.segments] == cuts
+    assert [int(s.protected) for s in plan.segments] == protected
+    check_protected_layout(plan, LAYOUT, config)
+    if all(protected):
+        assert (plan.protect_until, plan.protect_from) == (n_tokens, n_tokens)
+        assert plan.protects_all and plan.protected_tokens == n_tokens
+        assert plan.residual_nbytes == 0  # an empty Residual region travels as no stream
+        assert plan.streams == (Stream.ANCHOR,) and plan.receive_nbytes == plan.anchor_nbytes
+    else:
+        assert plan.streams == RequestLayout(LAYOUT, config, n_tokens, mode).streams
+    assert plan.sent_residual_nbytes == (plan.residual_nbytes if Stream.RESIDUAL in plan.streams else 0)
+    # what travels: each byte of the request's space on exactly one stream, or not at all
+    sent = {stream: 0 for stream in Stream}
+    for seg in plan.segments:
+        for stream, span in plan.sent_ranges(seg):
+            assert stream in plan.streams
+            region = plan.region_offset(stream)
+            assert (
+                region
+                <= span.start
+                < span.stop
+                <= region + (plan.anchor_nbytes, plan.residual_nbytes)[stream]
+            )
+            sent[stream] += span.stop - span.start
+    assert (sent[Stream.ANCHOR], sent[Stream.RESIDUAL]) == (plan.anchor_nbytes, plan.sent_residual_nbytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n_tokens=st.integers(1, 2000),
+    first=st.integers(0, 2100),
+    last=st.integers(0, 2100),
+    key_block=st.sampled_from([2, 16, 32, 256]),
+)
+def test_protected_bounds_fall_on_key_blocks(n_tokens: int, first: int, last: int, key_block: int) -> None:
+    config = CodecConfig(key_block=key_block)
+    plan = RequestLayout(LAYOUT, config, n_tokens, Mode.FULL, protect_first=first, protect_last=last)
+    check_protected_layout(plan, LAYOUT, config)
+    # every cut on the key-block grid of the request (SEGMENT_TOKENS is on it too)
+    assert all(s.start % key_block == 0 for s in plan.segments)
+    wanted = {*range(min(first, n_tokens)), *range(max(0, n_tokens - last), n_tokens)}
+    got = {t for s in plan.segments if s.protected for t in range(s.start, s.end)}
+    assert wanted <= got and len(got) == plan.protected_tokens
+    if not plan.protects_all:  # rounded outwards by less than a key block on each side
+        assert plan.protect_until - first < key_block and (n_tokens - last) - plan.protect_from < key_block
+        assert got == {*range(plan.protect_until), *range(plan.protect_from, n_tokens)}
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_protection_cost(mode: Mode) -> None:
+    config = CodecConfig()
+    assert protection_cost(Handshake(mode, config, LAYOUT), 600) == (0, 0)
+    # [0, 16) and [560, 600): their Residual moves onto the Anchor stream
+    handshake = Handshake(mode, config, LAYOUT, protect_first=5, protect_last=40)
+    moved = segment_nbytes(LAYOUT, 16, config)[1] + segment_nbytes(LAYOUT, 40, config)[1]
+    anchor_extra = sum(segment_nbytes(LAYOUT, n, config)[0] for n in (16, 240, 48, 40)) - sum(
+        segment_nbytes(LAYOUT, n, config)[0] for n in (256, 88)
+    )  # the codec padding of the two extra cuts
+    residual_extra = sum(segment_nbytes(LAYOUT, n, config)[1] for n in (16, 240, 48, 40)) - sum(
+        segment_nbytes(LAYOUT, n, config)[1] for n in (256, 88)
+    )
+    assert protection_cost(handshake, 600) == (
+        moved + anchor_extra,
+        anchor_extra + (residual_extra if mode.sends_residual else moved),
+    )
 
 
 def test_request_layout_needs_a_token() -> None:
@@ -312,76 +463,73 @@ def _encode_in_chunks(
     v: list[torch.Tensor],
     slots: torch.Tensor,
     config: CodecConfig,
+    plan: RequestLayout,
     chunks: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the sender does: encode each segment once the chunks received so far cover it."""
-    plan = RequestLayout(SMALL, config, slots.numel(), Mode.FULL)
-    anchor = torch.zeros(plan.anchor_nbytes, dtype=torch.uint8)
-    residual = torch.zeros(plan.residual_nbytes, dtype=torch.uint8)
+) -> torch.Tensor:
+    """What the sender does: encode each segment once the chunks received so far cover it.
+    Returns the request's space (Anchor region, then Residual region)."""
+    space = torch.zeros(plan.encoded_nbytes, dtype=torch.uint8)
     tokens = sent = 0
     for i, size in enumerate(chunks):
         tokens += size
         ready = plan.ready(tokens, last=i == len(chunks) - 1)[sent:]
         for seg in ready:
-            encode_pages(
-                k,
-                v,
-                slots[seg.start : seg.end],
-                config,
-                anchor[seg.anchor_offset : seg.anchor_offset + seg.anchor_nbytes],
-                residual[seg.residual_offset : seg.residual_offset + seg.residual_nbytes],
-            )
+            anchor, residual = plan.byte_ranges(seg)
+            encode_pages(k, v, slots[seg.start : seg.end], config, space[anchor], space[residual])
         sent += len(ready)
     assert sent == len(plan.segments)
-    return anchor, residual
+    return space
 
 
 def _decode_request(
-    anchor: torch.Tensor, residual: torch.Tensor | None, config: CodecConfig, n_tokens: int
+    space: torch.Tensor, config: CodecConfig, plan: RequestLayout, *, residual: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    plan = RequestLayout(SMALL, config, n_tokens, Mode.FULL)
+    """What the receiver does: protected segments at full precision, the rest with
+    the Residual only if ``residual``."""
     k, v = _pool(seed=99)
-    dst = torch.arange(n_tokens, dtype=torch.int64)
+    dst = torch.arange(plan.n_tokens, dtype=torch.int64)
     for seg in plan.segments:
+        anchor, residual_bytes = plan.byte_ranges(seg)
+        full = residual or seg.protected
         decode_pages(
-            anchor[seg.anchor_offset : seg.anchor_offset + seg.anchor_nbytes],
-            None
-            if residual is None
-            else residual[seg.residual_offset : seg.residual_offset + seg.residual_nbytes],
-            k,
-            v,
-            dst[seg.start : seg.end],
-            config,
+            space[anchor], space[residual_bytes] if full else None, k, v, dst[seg.start : seg.end], config
         )
-    return [t[:n_tokens] for t in k], [t[:n_tokens] for t in v]
+    return [t[: plan.n_tokens] for t in k], [t[: plan.n_tokens] for t in v]
 
 
 @st.composite
-def chunkings(draw: st.DrawFn) -> tuple[int, list[int], int, int]:
+def chunkings(draw: st.DrawFn) -> tuple[int, list[int], int, tuple[int, int], int]:
     n_tokens = draw(st.integers(1, 700))
     cuts = sorted(draw(st.sets(st.integers(1, n_tokens - 1), max_size=6))) if n_tokens > 1 else []
     bounds = [0, *cuts, n_tokens]
     key_block = draw(st.sampled_from([2, 4, 16, 64, 256]))
     sizes = [b - a for a, b in itertools.pairwise(bounds)]
-    return n_tokens, sizes, key_block, draw(st.integers(0, 99))
+    protect = draw(st.sampled_from([(0, 0), (1, 0), (0, 70), (20, 300), (400, 400)]))
+    return n_tokens, sizes, key_block, protect, draw(st.integers(0, 99))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(chunkings())
 @pytest.mark.usefixtures("one_codec_thread")
-def test_decoded_kv_does_not_depend_on_how_prefill_chunked(case: tuple[int, list[int], int, int]) -> None:
-    n_tokens, chunks, key_block, seed = case
+def test_decoded_kv_does_not_depend_on_how_prefill_chunked(
+    case: tuple[int, list[int], int, tuple[int, int], int],
+) -> None:
+    n_tokens, chunks, key_block, (first, last), seed = case
     config = CodecConfig(key_layout="per_channel", key_block=key_block, group_size=16)
     assert SEGMENT_TOKENS % key_block == 0
+    plan = RequestLayout(SMALL, config, n_tokens, Mode.FULL, protect_first=first, protect_last=last)
+    plain = RequestLayout(SMALL, config, n_tokens, Mode.FULL)
     k, v = _pool(seed)
     slots = torch.randperm(ROWS, generator=torch.Generator().manual_seed(seed))[:n_tokens]
-    one_shot = _encode_in_chunks(k, v, slots, config, [n_tokens])
-    chunked = _encode_in_chunks(k, v, slots, config, chunks)
-    assert torch.equal(chunked[0], one_shot[0]) and torch.equal(chunked[1], one_shot[1])
-    for residual in (None, chunked[1]):
-        got_k, got_v = _decode_request(chunked[0], residual, config, n_tokens)
+    one_shot = _encode_in_chunks(k, v, slots, config, plan, [n_tokens])
+    chunked = _encode_in_chunks(k, v, slots, config, plan, chunks)
+    assert torch.equal(chunked, one_shot)
+    plain_space = _encode_in_chunks(k, v, slots, config, plain, [n_tokens])
+    unprotected = torch.tensor([plan.protect_until <= t < plan.protect_from for t in range(n_tokens)])
+    for residual in (False, True):
+        got_k, got_v = _decode_request(chunked, config, plan, residual=residual)
         # The codec's tensor API on each segment's gathered rows is the reference.
-        for seg in RequestLayout(SMALL, config, n_tokens, Mode.FULL).segments:
+        for seg in plan.segments:
             rows = slots[seg.start : seg.end]
             for kind, pool, got in (("key", k, got_k), ("value", v, got_v)):
                 for layer in range(SMALL.num_layers):
@@ -389,10 +537,15 @@ def test_decoded_kv_does_not_depend_on_how_prefill_chunked(case: tuple[int, list
                     enc = encode(part, config, kind=kind)
                     expect = decode(
                         enc.anchor,
-                        None if residual is None else enc.residual,
+                        enc.residual if residual or seg.protected else None,
                         config=config,
                         shape=part.shape,
                         dtype=part.dtype,
                         kind=kind,
                     )
                     assert torch.equal(got[layer][seg.start : seg.end], expect)
+        # Protection cuts on key blocks: an unprotected token decodes as with no protection.
+        plain_k, plain_v = _decode_request(plain_space, config, plain, residual=residual)
+        for got, want in ((got_k, plain_k), (got_v, plain_v)):
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g[unprotected], w[unprotected])

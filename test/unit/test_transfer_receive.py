@@ -14,6 +14,7 @@ from lynx.transfer import (
     NoticeKind,
     ReceiveState,
     ReceiveTracker,
+    RequestLayout,
     Stream,
     Upstream,
     Verdict,
@@ -29,8 +30,12 @@ def local(mode: Mode = "full") -> Handshake:
     return Handshake(mode, CodecConfig(), LAYOUT)
 
 
+def streams(mode: Mode = "full") -> tuple[Stream, ...]:
+    return RequestLayout.of(local(mode), 300).streams
+
+
 def tracker(mode: Mode = "full", *, accepted: bool = True) -> ReceiveTracker:
-    t = ReceiveTracker(room=7, local=local(mode), deadline_s=DEADLINE)
+    t = ReceiveTracker(room=7, local=local(mode), deadline_s=DEADLINE, streams=streams(mode))
     t.offered(now=0.0)
     if accepted:
         t.on_notice(accept(local(mode)), PEER, now=0.5)
@@ -70,14 +75,14 @@ def test_receive_state_machine_is_pinned() -> None:
     ],
 )
 def test_illegal_moves_raise(start: ReceiveState, to: ReceiveState) -> None:
-    t = ReceiveTracker(room=3, local=local(), deadline_s=DEADLINE, state=start)
+    t = ReceiveTracker(room=3, local=local(), deadline_s=DEADLINE, streams=streams(), state=start)
     with pytest.raises(ValueError, match=f"room 3: Lynx receive state {start.value} -> {to.value}"):
         t.move(to)
     assert t.state is start
 
 
 def test_offered_records_the_time_and_moves() -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams())
     assert t.state is S.WAITING_SPACE
     t.offered(now=12.5)
     assert (t.state, t.offered_at) == (S.OFFERED, 12.5)
@@ -87,7 +92,7 @@ def test_offered_records_the_time_and_moves() -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY, S.COMPLETE])
 def test_wait_while_upstream_pending(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams(), state=state)
     assert t.verdict(Upstream.PENDING, now=1e9) is Verdict.WAIT
     assert t.state is state and t.error is None
     assert t.upstream_success_at is None  # the deadline only runs from upstream's Success
@@ -95,7 +100,7 @@ def test_wait_while_upstream_pending(state: ReceiveState) -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY])
 def test_upstream_failure_fails(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams(), state=state)
     assert t.verdict(Upstream.FAILED, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error == "the upstream KV transfer failed"
@@ -121,7 +126,7 @@ def test_a_landing_before_the_accept_counts_once_accepted() -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED])
 def test_upstream_success_without_accept_fails_naming_the_flag(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams(), state=state)
     assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error is not None
@@ -171,6 +176,21 @@ def test_speculative_decodes_on_the_anchor_and_completes_on_the_residual() -> No
     assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.READY
     t.on_notice(landed(Stream.RESIDUAL), PEER, now=2.0)
     assert t.state is S.COMPLETE
+
+
+@pytest.mark.parametrize("mode", ["full", "speculative"])
+def test_every_token_protected_completes_on_the_anchor(mode: Mode) -> None:
+    handshake = Handshake(mode, CodecConfig(), LAYOUT, protect_first=200, protect_last=200)
+    plan = RequestLayout.of(handshake, 300)
+    assert plan.streams == (Stream.ANCHOR,)  # the Residual region is empty: no stream
+    t = ReceiveTracker(room=7, local=handshake, deadline_s=DEADLINE, streams=plan.streams)
+    t.offered(now=0.0)
+    t.on_notice(accept(handshake), PEER, now=0.5)
+    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.5)
+    assert t.state is S.COMPLETE  # nothing else will come
+    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
+    assert t.residual_verdict(now=2.0) is Verdict.READY
 
 
 def test_anchor_ready_but_upstream_pending_waits() -> None:

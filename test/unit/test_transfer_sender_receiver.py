@@ -145,6 +145,8 @@ class Pair:
         mode: Mode = "full",
         codec: CodecConfig | None = None,
         decode_codec: CodecConfig | None = None,
+        protect: tuple[int, int] = (0, 0),
+        decode_protect: tuple[int, int] | None = None,
         backend: CopyBackend | None = None,
         send_bytes: int | None = None,
         recv_bytes: int | None = None,
@@ -155,8 +157,8 @@ class Pair:
     ) -> None:
         codec = codec or CodecConfig()
         self.landed_delay_s = landed_delay_s
-        self.handshake = Handshake(mode, codec, LAYOUT)
-        decode_handshake = Handshake(mode, decode_codec or codec, LAYOUT)
+        self.handshake = Handshake(mode, codec, LAYOUT, *protect)
+        decode_handshake = Handshake(mode, decode_codec or codec, LAYOUT, *(decode_protect or protect))
         self.page_size = page_size
         self.backend = backend or CopyBackend()
         self.prefill_k, self.prefill_v = kv_pool(seed=0)
@@ -266,10 +268,17 @@ def pairs() -> Iterator[Callable[..., Pair]]:
 
 
 def reference_rows(
-    rows: tuple[list[torch.Tensor], list[torch.Tensor]], config: CodecConfig, *, residual: bool
+    rows: tuple[list[torch.Tensor], list[torch.Tensor]],
+    config: CodecConfig,
+    *,
+    residual: bool,
+    protect: tuple[int, int] = (0, 0),
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """What decode must hold: each segment of each layer's K and V through the codec's tensor API."""
-    plan = RequestLayout(LAYOUT, config, rows[0][0].shape[0], Mode.FULL)
+    """What decode must hold: each segment of each layer's K and V through the codec's
+    tensor API, with the Residual if ``residual`` or the segment is protected."""
+    plan = RequestLayout(
+        LAYOUT, config, rows[0][0].shape[0], Mode.FULL, protect_first=protect[0], protect_last=protect[1]
+    )
     out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for kind, source, dest in (("key", rows[0], out[0]), ("value", rows[1], out[1])):
         for layer_rows in source:
@@ -280,7 +289,7 @@ def reference_rows(
                 pieces.append(
                     decode(
                         enc.anchor,
-                        enc.residual if residual else None,
+                        enc.residual if residual or seg.protected else None,
                         config=config,
                         shape=part.shape,
                         dtype=part.dtype,
@@ -464,6 +473,131 @@ def test_speculative_decodes_the_anchor_then_refines_in_place(pairs: Callable[..
     report = pair.receiver.forget(13)
     assert report is not None and report.residual_latency_s is not None and report.residual_latency_s >= 2.0
     assert pair.receiver.stats().buffer_used == 0
+
+
+# ---- protected tokens --------------------------------------------------------------------------
+
+PROTECT = (20, 70)  # tokens [0, 32) and [528, 600): whole key blocks of 16
+
+
+def protected_mask(plan: RequestLayout) -> torch.Tensor:
+    return torch.tensor([s.protected for s in plan.segments for _ in range(s.start, s.end)])
+
+
+def bytes_written_into(pair: Pair, addr: int, nbytes: int) -> int:
+    return sum(
+        t.length for t in pair.backend.written() if addr <= t.dst and t.dst + t.length <= addr + nbytes
+    )
+
+
+@pytest.mark.parametrize("residual", ["int8", "exact"])
+def test_protected_tokens_are_full_precision_once_the_anchor_lands(
+    pairs: Callable[..., Pair], residual: str
+) -> None:
+    codec = CodecConfig(residual=residual)  # type: ignore[arg-type]
+    pair = pairs(mode="speculative", codec=codec, protect=PROTECT, residual_hold_s=1.0)
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    protected = protected_mask(plan)
+    assert (plan.protect_until, plan.protect_from, plan.protected_tokens) == (32, 528, 104)
+    offer = pair.offer(room=31)
+    assert (offer.anchor_nbytes, offer.residual_nbytes) == (plan.anchor_nbytes, plan.residual_nbytes)
+    pages = pair.pages(seed=23)
+    pair.send(31, offer, pages, [100, 300, 200])  # the first chunk completes only [0, 32)
+    pair.wait_verdict(31, Verdict.READY)
+    assert pair.receiver.residual_verdict(31)[0] is Verdict.WAIT
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.write_kv(31, dst) is False  # the unprotected rows are Anchor-only
+
+    rows = pair.prefill_rows(torch.as_tensor(pages))
+    on_anchor = pair.decode_rows(dst)
+    assert_rows_equal(on_anchor, reference_rows(rows, codec, residual=False, protect=PROTECT))
+    if residual == "exact":  # the draft decodes on the prefill's own values there
+        assert_rows_equal(
+            ([k[protected] for k in on_anchor[0]], [v[protected] for v in on_anchor[1]]),
+            ([k[protected] for k in rows[0]], [v[protected] for v in rows[1]]),
+        )
+    # the unprotected rows are what they would be with nothing protected
+    plain = reference_rows(rows, codec, residual=False)
+    assert_rows_equal(
+        ([k[~protected] for k in on_anchor[0]], [v[~protected] for v in on_anchor[1]]),
+        ([k[~protected] for k in plain[0]], [v[~protected] for v in plain[1]]),
+    )
+
+    wait_for(lambda: pair.receiver.residual_verdict(31)[0] is Verdict.READY, "the Residual")
+    assert pair.receiver.write_kv(31, dst) is True  # refined in place
+    assert_rows_equal(pair.decode_rows(dst), reference_rows(rows, codec, residual=True))
+    if residual == "exact":
+        assert_rows_equal(pair.decode_rows(dst), rows)
+    report = pair.receiver.forget(31)
+    assert report is not None and (report.anchor_bytes, report.residual_bytes) == (
+        plan.anchor_nbytes,
+        plan.residual_nbytes,
+    )
+    assert pair.receiver.stats().buffer_used == 0
+    pair.wait_released(31)
+    # every encoded byte sent once: protected Residuals in the Anchor region, on HIGH
+    assert sum(t.length for t in pair.backend.written()) == plan.encoded_nbytes
+    assert bytes_written_into(pair, offer.anchor_addr, offer.anchor_nbytes) == plan.anchor_nbytes
+    assert bytes_written_into(pair, offer.residual_addr, offer.residual_nbytes) == plan.residual_nbytes
+    landed = [(n.stream, n.nbytes) for n in pair.notices if n.kind is NoticeKind.LANDED]
+    assert sorted(landed) == [(Stream.ANCHOR, plan.anchor_nbytes), (Stream.RESIDUAL, plan.residual_nbytes)]
+
+
+def test_anchor_only_sends_protected_tokens_at_full_precision(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(mode="anchor-only", protect=PROTECT)
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    offer = pair.offer(room=32)
+    assert (offer.anchor_nbytes, offer.residual_addr, offer.residual_nbytes) == (plan.anchor_nbytes, 0, 0)
+    pages = pair.pages(seed=24)
+    pair.send(32, offer, pages, [N_TOKENS])
+    pair.wait_verdict(32, Verdict.READY)
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.write_kv(32, dst) is False
+    want = reference_rows(
+        pair.prefill_rows(torch.as_tensor(pages)), CodecConfig(), residual=False, protect=PROTECT
+    )
+    assert_rows_equal(pair.decode_rows(dst), want)
+    assert pair.receiver.write_kv(32, dst) is False  # nothing more will come
+    pair.receiver.forget(32)
+    pair.wait_released(32)
+    assert sum(t.length for t in pair.backend.written()) == plan.anchor_nbytes
+    landed = [(n.stream, n.nbytes) for n in pair.notices if n.kind is NoticeKind.LANDED]
+    assert landed == [(Stream.ANCHOR, plan.anchor_nbytes)]
+    assert pair.receiver.stats().buffer_used == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "speculative"])
+def test_every_token_protected_sends_the_anchor_stream_alone(pairs: Callable[..., Pair], mode: Mode) -> None:
+    pair = pairs(mode=mode, codec=CodecConfig(residual="exact"), protect=(300, 300))
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    assert plan.protects_all and plan.streams == (Stream.ANCHOR,)
+    offer = pair.offer(room=33)
+    assert (offer.anchor_nbytes, offer.residual_addr, offer.residual_nbytes) == (plan.encoded_nbytes, 0, 0)
+    pages = pair.pages(seed=25)
+    pair.send(33, offer, pages, [200, 400])
+    pair.wait_verdict(33, Verdict.READY)
+    assert pair.receiver.residual_verdict(33)[0] is Verdict.READY  # nothing left to wait for
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.write_kv(33, dst) is True  # full precision at once: no speculation
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(torch.as_tensor(pages)))
+    pair.receiver.forget(33)
+    assert pair.receiver.stats().buffer_used == 0  # complete: no write can still arrive
+    pair.wait_released(33)
+    assert pair.kinds(33) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.RELEASED]
+    sent = pair.sender.stats()
+    assert (sent.anchor_bytes, sent.residual_bytes) == (plan.encoded_nbytes, 0)
+
+
+def test_other_protection_on_decode_is_refused(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(protect=PROTECT, decode_protect=(0, 64))
+    offer = pair.receiver.reserve(34, N_TOKENS, peer=PREFILL_ADDR)
+    assert offer is not None
+    reason = pair.sender.answer_offer(34, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)
+    assert isinstance(reason, str)
+    assert "protect_first=20 protect_last=70" in reason and "protect_first=0 protect_last=64" in reason
+    assert (
+        pair.wait_verdict(34, Verdict.FAIL) == f"prefill {PREFILL_ADDR} refused the Lynx transfer: {reason}"
+    )
 
 
 def test_two_requests_at_once_land_in_their_own_space(pairs: Callable[..., Pair]) -> None:

@@ -14,9 +14,10 @@ States (``RECEIVE_TRANSITIONS`` is the whole machine, pinned by a test)::
 
 ``WAITING_SPACE``: no receive space free yet, the metadata message is held back (the
 request waits, it does not fail). ``OFFERED``: metadata and offer are out. ``ACCEPTED``:
-prefill agreed on the settings. ``ANCHOR_READY``/``COMPLETE``: the Anchor / both streams
-landed. A request is READY (its bytes go into the KV pool) once upstream says ``Success`` and it reached
-``ANCHOR_READY`` (modes that start on the Anchor) or ``COMPLETE`` (``full``).
+prefill agreed on the settings. ``ANCHOR_READY``/``COMPLETE``: the Anchor / every stream
+the request's transfer sends (``RequestLayout.streams``) landed. A request is READY (its
+bytes go into the KV pool) once upstream says ``Success`` and it reached ``ANCHOR_READY``
+(modes that start on the Anchor) or ``COMPLETE`` (``full``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class ReceiveTracker:
     room: int
     local: Handshake
     deadline_s: float
+    streams: tuple[Stream, ...]  # what this request's transfer sends (RequestLayout.streams)
     state: ReceiveState = ReceiveState.WAITING_SPACE
     error: str | None = None
     landed: dict[Stream, int] = field(default_factory=dict)  # stream -> bytes
@@ -120,9 +122,7 @@ class ReceiveTracker:
     def _advance(self) -> None:
         if self.state is ReceiveState.ACCEPTED and Stream.ANCHOR in self.landed:
             self.move(ReceiveState.ANCHOR_READY)
-        if self.state is ReceiveState.ANCHOR_READY and (
-            Stream.RESIDUAL in self.landed or not self.local.mode.sends_residual
-        ):
+        if self.state is ReceiveState.ANCHOR_READY and all(s in self.landed for s in self.streams):
             self.move(ReceiveState.COMPLETE)
 
     def verdict(self, upstream: Upstream, now: float | None = None) -> Verdict:

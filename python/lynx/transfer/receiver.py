@@ -5,9 +5,9 @@ Threads: :meth:`ProgressiveReceiver.on_notice` runs on the server's message thre
 other method on the scheduler thread, which alone writes the KV pool.
 
 Receive space is reused only when no write to it can still arrive: right after decoding
-if every stream the mode sends has landed, otherwise (a failed or aborted request) once
-prefill says ``RELEASED``, or after ``quarantine_s`` if it never does (a dead prefill
-writes nothing more).
+if every stream the request's transfer sends has landed, otherwise (a failed or aborted
+request) once prefill says ``RELEASED``, or after ``quarantine_s`` if it never does (a
+dead prefill writes nothing more).
 """
 
 from __future__ import annotations
@@ -108,21 +108,20 @@ class ProgressiveReceiver:
         its metadata to prefill ``peer``; None while no space is free (call again later).
         Raises ReceiveCapacityError if it needs more than the whole buffer."""
         self._expire_quarantine()
+        plan = RequestLayout.of(self.handshake, n_tokens)
         with self._lock:
             state = self._rooms.get(room)
-            if state is None:
-                tracker = ReceiveTracker(room, self.handshake, self._deadline_s)
-                state = self._rooms[room] = _Room(tracker, n_tokens, peer)
-            if state.offset is not None:
+            if state is not None and state.offset is not None:
                 raise ValueError(f"room {room} already has receive space")
-            plan = RequestLayout.of(self.handshake, n_tokens)
             if self._arena.rounded(plan.receive_nbytes) > self._arena.capacity:
-                del self._rooms[room]
                 raise ReceiveCapacityError(
                     f"a request of {n_tokens} tokens needs {plan.receive_nbytes} bytes of "
                     f"receive space, more than the whole buffer ({self._arena.capacity} bytes): "
                     "raise --lynx-buffer-bytes on the decode server"
                 )
+            if state is None:
+                tracker = ReceiveTracker(room, self.handshake, self._deadline_s, plan.streams)
+                state = self._rooms[room] = _Room(tracker, n_tokens, peer)
             offset = self._arena.allocate(plan.receive_nbytes)
             if offset is None:
                 return None
@@ -203,34 +202,39 @@ class ProgressiveReceiver:
 
     def write_kv(self, room: int, slots: torch.Tensor) -> bool:
         """Write the landed bytes into the request's KV rows ``slots``: the Anchor, or
-        Anchor and Residual once both landed. Speculative mode calls it again after the
-        Residual landed, which rewrites the rows at full precision. Returns whether the
-        rows now hold the full-precision (Anchor + Residual) values."""
+        Anchor and Residual once both landed; protected tokens (``RequestLayout``) at full
+        precision from the start. Speculative mode calls it again after the Residual
+        landed, which rewrites the unprotected rows at full precision. Returns whether
+        every row now holds its full-precision (Anchor + Residual) value."""
         with self._lock:
             state = self._rooms[room]
-            full = state.tracker.state is ReceiveState.COMPLETE and self.mode.sends_residual
-            if state.refined or (state.decoded and not full):
-                return state.refined
             plan, offset = state.plan, state.offset
-        assert plan is not None and offset is not None
+            assert plan is not None and offset is not None
+            landed = Stream.RESIDUAL in plan.streams and state.tracker.state is ReceiveState.COMPLETE
+            if state.refined or (state.decoded and not landed):
+                return state.refined
+            rewrite = state.decoded
         if slots.numel() != plan.n_tokens:
             raise ValueError(f"room {room}: {slots.numel()} KV slots for {plan.n_tokens} tokens")
         slots = slots.to(self._k[0].device)
+        space = self._buffer[offset : offset + plan.receive_nbytes]
         for seg in plan.segments:
-            a0 = offset + seg.anchor_offset
-            r0 = offset + plan.anchor_nbytes + seg.residual_offset
+            if seg.protected and rewrite:
+                continue  # at full precision since the Anchor landed
+            anchor_bytes, residual_bytes = plan.byte_ranges(seg)
             decode_pages(
-                self._buffer[a0 : a0 + seg.anchor_nbytes],
-                self._buffer[r0 : r0 + seg.residual_nbytes] if full else None,
+                space[anchor_bytes],
+                space[residual_bytes] if seg.protected or landed else None,
                 self._k,
                 self._v,
                 slots[seg.start : seg.end],
                 self.handshake.codec,
             )
+        refined = landed or plan.protects_all
         with self._lock:
             state.decoded = True
-            state.refined = full
-        return full
+            state.refined = refined
+        return refined
 
     def forget(self, room: int) -> RoomReport | None:
         """The request is done with its receive space (decoded, failed or aborted)."""

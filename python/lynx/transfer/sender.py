@@ -300,41 +300,31 @@ class ProgressiveSender:
             if not ready and not last:
                 continue
             all_slots = torch.cat(state.slots)[: plan.n_tokens].to(self._buffer.device)
-            base = self._buffer.data_ptr() + state.offset
-            anchor_writes, residual_writes = [], []
+            space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
+            # decode's address of each stream's region
+            regions = {Stream.ANCHOR: state.offer.anchor_addr, Stream.RESIDUAL: state.offer.residual_addr}
+            writes: dict[Stream, list[tuple[int, int, int]]] = {stream: [] for stream in plan.streams}
             try:
                 for seg in ready:
-                    a0 = state.offset + seg.anchor_offset
-                    r0 = state.offset + plan.anchor_nbytes + seg.residual_offset
+                    anchor, residual = plan.byte_ranges(seg)
                     encode_pages(
                         self._k,
                         self._v,
                         all_slots[seg.start : seg.end],
                         self.handshake.codec,
-                        self._buffer[a0 : a0 + seg.anchor_nbytes],
-                        self._buffer[r0 : r0 + seg.residual_nbytes],
+                        space[anchor],
+                        space[residual],
                     )
-                    anchor_writes.append(
-                        (
-                            base + seg.anchor_offset,
-                            state.offer.anchor_addr + seg.anchor_offset,
-                            seg.anchor_nbytes,
-                        )
-                    )
-                    residual_writes.append(
-                        (
-                            base + plan.anchor_nbytes + seg.residual_offset,
-                            state.offer.residual_addr + seg.residual_offset,
-                            seg.residual_nbytes,
-                        )
-                    )
+                    for stream, span in plan.sent_ranges(seg):
+                        dst = regions[stream] + span.start - plan.region_offset(stream)
+                        writes[stream].append((space.data_ptr() + span.start, dst, span.stop - span.start))
             except CodecError as exc:
                 self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
                 return
             state.segments_sent += len(ready)
-            submitted.append((Lane.HIGH, anchor_writes, last))
-            if Lane.LOW in state.lanes:
-                submitted.append((Lane.LOW, residual_writes, last))
+            for stream, stream_writes in writes.items():
+                if stream_writes or last:  # a chunk of protected segments only has no Residual
+                    submitted.append((_LANE_OF_STREAM[stream], stream_writes, last))
             if last:
                 state.closed = True
         if not submitted:
