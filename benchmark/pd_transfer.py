@@ -10,7 +10,7 @@ pair limited to RATE each way (scripts/netlink.sh): KV crosses a slow link, as i
 paper. Requests go to both servers with the bootstrap fields the router would add.
 
 Measured per configuration:
-* TTFT and the time to the ``--ttft-gen``-th token (one streamed greedy request: prefill
+* TTFT and the time to each ``--marks`` token (one streamed greedy request: prefill
   + KV transfer + decoding; speculative mode streams only verified tokens) of
   ``--repeats`` prompts at each ``--contexts`` length, cut from real text;
 * greedy agreement with BF16 PD over ``--prompts`` real prompts of ``--prompt-tokens``
@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -127,15 +128,17 @@ class Pair:
             "bootstrap_room": random.getrandbits(62),
         }
 
-    def stream(self, prompt: str, max_new_tokens: int) -> tuple[dict, float, float]:
-        """(last chunk, seconds to the first token, seconds to the last) of a streamed request."""
+    def stream(self, prompt: str, marks: list[int]) -> tuple[dict, dict[int, float]]:
+        """(last chunk, {n: seconds until the n-th token streamed} for n = 1 and ``marks``) of
+        a streamed request of ``max(marks)`` tokens."""
+        max_new_tokens = max(marks)
         body = self._body(prompt, max_new_tokens)
         request = urllib.request.Request(
             self.servers["decode"].url + "/generate",
             data=json.dumps({**body, "stream": True}).encode(),
             headers={"Content-Type": "application/json"},
         )
-        first = last = None
+        times: dict[int, float] = {}
         chunk: dict = {}
         start = time.perf_counter()
         with ThreadPoolExecutor(1) as pool:
@@ -147,13 +150,12 @@ class Pair:
                         continue
                     chunk = json.loads(text.removeprefix("data:"))
                     now = time.perf_counter() - start
-                    if first is None and chunk["output_ids"]:
-                        first = now
-                    if len(chunk["output_ids"]) >= max_new_tokens:
-                        last = now if last is None else last
+                    for n in (1, *marks):
+                        if n not in times and len(chunk["output_ids"]) >= n:
+                            times[n] = now
             prefill.result()
-        assert first is not None and last is not None, chunk
-        return chunk, first, last
+        assert set(times) == {1, *marks}, chunk
+        return chunk, times
 
     def generate(self, prompt: str, max_new_tokens: int) -> tuple[dict, float]:
         body = self._body(prompt, max_new_tokens)
@@ -168,26 +170,27 @@ class Pair:
 
 def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: dict[int, list[str]]) -> dict:
     log_dir = args.out / "logs"
-    result: dict[str, Any] = {"outputs": [], "ttft": {}, "tn": {}, "bytes_per_token": None, "speculation": []}
+    result: dict[str, Any] = {"outputs": [], "times": {}, "bytes_per_token": None, "speculation": []}
     with Pair(name, CONFIGS[name], args, log_dir, DECODE_ONLY.get(name)) as pair:
         pair.generate("warm up", 2)
         for context, prompts in ttft.items():
-            times, tn = [], []
+            runs = []
             for prompt in prompts:
-                answer, first, last = pair.stream(prompt, args.ttft_gen)
-                times.append(first)
-                tn.append(last)
+                answer, times = pair.stream(prompt, args.marks)
+                runs.append(times)
                 report = answer["meta_info"].get("lynx_transfer")
                 if report:
                     n = answer["meta_info"]["prompt_tokens"]
                     result["bytes_per_token"] = (report[0]["anchor_bytes"] + report[0]["residual_bytes"]) / n
                     if "speculation" in report[0]:
                         result["speculation"].append(report[0]["speculation"])
-            result["ttft"][context] = times
-            result["tn"][context] = tn
+            result["times"][context] = {n: [run[n] for run in runs] for n in (1, *args.marks)}
             print(
-                f"  {name} ctx {context}: TTFT {[round(t, 2) for t in times]} s, "
-                f"token {args.ttft_gen} at {[round(t, 2) for t in tn]} s",
+                f"  {name} ctx {context}: "
+                + ", ".join(
+                    f"token {n} at {[round(t, 2) for t in ts]} s"
+                    for n, ts in result["times"][context].items()
+                ),
                 flush=True,
             )
         for prompt in agreement:
@@ -213,27 +216,32 @@ def bf16_bytes_per_token(model: Path) -> float:
     return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2
 
 
-def plot(results: dict, contexts: list[int], link: str, n_tokens: int, path: Path) -> None:
+def plot(results: dict, contexts: list[int], link: str, marks: list[int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    panels = [1, *marks]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4))
     width = 0.8 / len(results)
-    for ax, key, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tn", f"time to token {n_tokens} (s)")):
+    for ax, n in zip(axes, panels, strict=True):
         for i, (name, res) in enumerate(results.items()):
-            means = [sum(res[key][c]) / len(res[key][c]) for c in contexts]
-            ax.bar([j + i * width for j in range(len(contexts))], means, width, label=name)
+            medians = [statistics.median(res["times"][c][n]) for c in contexts]
+            ax.bar([j + i * width for j in range(len(contexts))], medians, width, label=name)
         ax.set_xticks(
             [j + width * (len(results) - 1) / 2 for j in range(len(contexts))], [str(c) for c in contexts]
         )
         ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(label)
+        ax.set_ylabel("TTFT (s)" if n == 1 else f"time to token {n} (s)")
         ax.legend()
-    fig.suptitle(f"PD serving, SmolLM2-135M on 2 CPU cores, {link} link")
+    fig.suptitle(f"PD serving, {args_model_name(results)} on 2 CPU cores, {link} link (medians)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def args_model_name(results: dict) -> str:
+    return next(iter(results.values())).get("model", "")
 
 
 def main() -> None:
@@ -248,7 +256,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gen", type=int, default=32)
-    parser.add_argument("--ttft-gen", type=int, default=32, help="timed requests stream this many tokens")
+    parser.add_argument(
+        "--marks", type=int, nargs="+", default=[32], help="timed requests report when these tokens streamed"
+    )
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -276,43 +286,68 @@ def main() -> None:
     for name in args.configs:
         print(f"== {name}", flush=True)
         results[name] = run_config(name, args, agreement, ttft)
+        results[name]["model"] = args.model.name
     results.setdefault("bf16", {})["bytes_per_token"] = bf16_bytes_per_token(args.model)
     reference = results.get("bf16", {}).get("outputs")
+
+    def median(name: str, c: int, n: int) -> float | None:
+        times = results.get(name, {}).get("times", {}).get(c, {}).get(n)
+        return statistics.median(times) if times else None
+
     rows = []
     for name in args.configs:
         res = results[name]
         row: dict[str, Any] = {"config": name, "bytes_per_token": res["bytes_per_token"]}
         for c in args.contexts:
-            for key in ("ttft", "tn"):
-                label = f"{key}_{c}" if key == "ttft" else f"t{args.ttft_gen}_{c}"
-                row[label] = sum(res[key][c]) / len(res[key][c])
-                if "bf16" in results and key in results["bf16"]:
-                    row[f"{label}_vs_bf16"] = row[label] / (sum(results["bf16"][key][c]) / args.repeats)
+            for n in (1, *args.marks):
+                label = f"ttft_{c}" if n == 1 else f"t{n}_{c}"
+                row[label] = median(name, c, n)
+                for base in ("bf16", "lynx-full", "lynx-anchor-only"):
+                    if base != name and median(base, c, n):
+                        row[f"{label}_vs_{base}"] = row[label] / median(base, c, n)
         if reference:
             row.update(agreement_of(res["outputs"], reference))
         if name == "lynx-speculative" and "lynx-full" in results:
-            # same INT8 KV after refinement: greedy outputs must be identical
+            # same INT8 KV after refinement: greedy outputs should be identical
             row["identical_to_lynx_full"] = agreement_of(res["outputs"], results["lynx-full"]["outputs"])[
                 "identical_outputs"
             ]
         if res.get("speculation"):
             held = sum(r["held"] for r in res["speculation"])
             row["acceptance"] = sum(r["accepted"] for r in res["speculation"]) / held if held else None
+            row["mean_verify_s"] = statistics.mean(r["verify_s"] for r in res["speculation"])
+            row["mean_held"] = held / len(res["speculation"])
         rows.append(row)
     link = args.link or "loopback"
-    print(f"\nlink: {link}; {args.prompts} prompts x {args.prompt_tokens} tokens, gen {args.gen}")
-    header = list(rows[0])
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print(
+        f"\nlink: {link}; {args.repeats} prompts per point (medians); agreement over {args.prompts} prompts"
+    )
+    print(
+        "| config | B/token | "
+        + " | ".join(
+            f"{'TTFT' if n == 1 else f'token {n}'} {c}" for c in args.contexts for n in (1, *args.marks)
+        )
+        + " |"
+    )
+    print("|---|---:|" + "---:|" * (len(args.contexts) * (1 + len(args.marks))))
     for row in rows:
-        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+        cells = []
+        for c in args.contexts:
+            for n in (1, *args.marks):
+                label = f"ttft_{c}" if n == 1 else f"t{n}_{c}"
+                ratio = row.get(f"{label}_vs_bf16")
+                cells.append(f"{row[label]:.1f} s" + (f" ({ratio:.2f})" if ratio else ""))
+        print(f"| {row['config']} | {row['bytes_per_token']:.0f} | " + " | ".join(cells) + " |")
+    print("\nall figures:")
+    for row in rows:
+        print(json.dumps(row))
     summary = {"link": args.link, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     (args.out / "pd_transfer.json").write_text(json.dumps({**summary, "raw": results}, indent=1))
     plot(
         {n: results[n] for n in args.configs},
         args.contexts,
         link,
-        args.ttft_gen,
+        args.marks,
         args.out / "pd_transfer_ttft.png",
     )
     print(f"wrote {args.out}/pd_transfer.json and pd_transfer_ttft.png")

@@ -1,24 +1,30 @@
-"""How many tokens decoded on the Anchor survive verification, per Anchor width.
+"""How many tokens decoded on the Anchor survive verification, why the rest do not, and
+how far the committed output is from plain BF16 PD, per Anchor width and verify tolerance.
 
-For each ``--bits`` value a real speculative prefill + decode pair (loopback) serves
-``--prompts`` greedy requests of ``--prompt-tokens`` tokens of real text, ``--gen`` new
-tokens each, all at once. The Residual is held back ``--hold`` seconds on prefill
-(``--lynx-residual-hold``), long enough for every request to decode its
-``--lynx-max-speculative-tokens`` (``--cap``) tokens on Anchor KV before verification,
-so each verification judges a full run of held tokens. From each response's
+For each ``--bits`` x ``--tolerances`` pair a real speculative prefill + decode pair
+(loopback) serves ``--prompts`` greedy requests of ``--prompt-tokens`` tokens of real
+text, ``--gen`` new tokens each, all at once. The Residual is held back ``--hold``
+seconds on prefill (``--lynx-residual-hold``), long enough for every request to decode
+``--cap`` tokens on Anchor KV before verification, so each verification judges a full
+run of held tokens. A plain BF16 PD pair (and with ``--with-full`` Lynx ``full`` mode)
+serves the same prompts as the reference. From each response's
 ``meta_info["lynx_transfer"][0]["speculation"]``:
 
 * acceptance: accepted / held tokens (the accepted prefix of each run: after the first
   wrong token the rest is discarded whether or not it was right);
 * agreement: held tokens equal to the full-precision argmax at their position, given the
-  held tokens before them (teacher-forced on the draft: the per-token figure of
-  ../shared/reference/acceptance-probe.md, where acceptance stops at the first miss);
-* fully accepted: the share of requests whose whole held run was kept.
+  held tokens before them (teacher-forced on the draft);
+* rejections by the rejected token's log-probability gap to the best one: an exact tie,
+  a near-tie (< 0.125: numerics more than Anchor error) or a real miss (>= 0.125), and
+  the real misses as a share of held positions;
+* vs BF16: the share of the greedy outputs identical to plain BF16 PD's, and of the tokens
+  before the first difference.
 
-(Exactness of the committed output is the e2e tests' and benchmark/pd_transfer.py's
-business.) Prints a table; writes JSON and a PNG to ``--out``.
+Prints a table; writes JSON and a PNG to ``--out``.
 
     PYTHONPATH=python .venv/bin/python benchmark/spec_acceptance.py --bits 2 3 4
+    PYTHONPATH=python .venv/bin/python benchmark/spec_acceptance.py --bits 4 --tolerances 0 0.03 0.125 \\
+        --with-full --model ~/.cache/lynx/models/Qwen2.5-Coder-0.5B-Instruct
 """
 
 from __future__ import annotations
@@ -30,19 +36,31 @@ from pathlib import Path
 from typing import Any
 
 from bench_texts import MODEL_DIR
-from pd_transfer import TEXTS, Pair, prompts_from
+from pd_transfer import TEXTS, Pair, agreement_of, prompts_from
 from transformers import AutoTokenizer
+
+from lynx.verify import NEAR_TIE_GAP
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bits(bits: int, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    flags = [
+def serve(name: str, flags: list[str], prompts: list[str], args: argparse.Namespace) -> list[dict]:
+    decode_flags = ["--disable-overlap-schedule"] if "speculative" in flags else []
+    with Pair(name, flags, args, args.out / "logs", decode_flags) as pair:
+        pair.generate("warm up", 2)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(lambda p: pair.generate(p, args.gen)[0], prompts))
+
+
+def speculative_flags(bits: int, tolerance: float, args: argparse.Namespace) -> list[str]:
+    return [
         "--lynx",
         "--lynx-mode",
         "speculative",
         "--lynx-anchor-bits",
         str(bits),
+        "--lynx-verify-tolerance",
+        str(tolerance),
         "--lynx-max-speculative-tokens",
         str(args.cap),
         "--lynx-residual-hold",
@@ -50,40 +68,49 @@ def run_bits(bits: int, prompts: list[str], args: argparse.Namespace) -> dict[st
         "--lynx-transfer-deadline",
         str(args.hold * 4 + 60),
     ]
-    with Pair(f"spec-{bits}bit", flags, args, args.out / "logs", ["--disable-overlap-schedule"]) as pair:
-        pair.generate("warm up", 2)
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda p: pair.generate(p, args.gen)[0], prompts))
+
+
+def summarize(answers: list[dict], reference: list[list[int]]) -> dict[str, Any]:
     reports = [a["meta_info"]["lynx_transfer"][0].get("speculation") or {} for a in answers]
     held = sum(r.get("held", 0) for r in reports)
     accepted = sum(r.get("accepted", 0) for r in reports)
     agreed = sum(r.get("agreed") or 0 for r in reports)
+    gaps = [r["rejection_gap"] for r in reports if r.get("rejection_gap") is not None]
+    far = sum(1 for g in gaps if g >= NEAR_TIE_GAP)
+    outputs = [a["output_ids"] for a in answers]
     return {
-        "bits": bits,
         "requests": len(reports),
         "held": held,
         "accepted": accepted,
         "acceptance": accepted / held if held else None,
         "agreement": agreed / held if held else None,
         "fully_accepted": sum(1 for r in reports if r.get("held") and not r.get("rejected")) / len(reports),
-        "mean_held": held / len(reports),
+        "rejections": {
+            "tie": sum(1 for g in gaps if g == 0.0),
+            "near_tie": sum(1 for g in gaps if 0.0 < g < NEAR_TIE_GAP),
+            "far": far,
+        },
+        "far_rejections_per_held": far / held if held else None,
+        "vs_bf16": agreement_of(outputs, reference),
         "reports": reports,
-        "outputs": [a["output_ids"] for a in answers],
+        "outputs": outputs,
     }
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar([str(r["bits"]) for r in rows], [100 * (r["acceptance"] or 0) for r in rows])
-    ax.set_xlabel("Anchor bits")
-    ax.set_ylabel("held tokens accepted (%)")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [f"{r['bits']}b T={r['tolerance']:g}" for r in rows]
+    ax.bar(labels, [100 * (r["acceptance"] or 0) for r in rows], label="acceptance")
+    ax.plot(labels, [100 * (r["agreement"] or 0) for r in rows], "o", color="k", label="per-token agreement")
+    ax.set_ylabel("held tokens (%)")
     ax.set_ylim(0, 100)
-    ax.set_title("Speculative acceptance, SmolLM2-135M")
+    ax.legend(loc="lower right")
+    ax.set_title(f"Speculative acceptance, {model}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -95,6 +122,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
     parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--tolerances", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--with-full", action="store_true", help="also serve Lynx full mode (INT8)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--gen", type=int, default=40)
@@ -108,26 +137,58 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = prompts_from(args.data, tokenizer, args.prompts, args.prompt_tokens, skip=500)
+    print("== plain BF16 PD (reference)", flush=True)
+    reference = [a["output_ids"] for a in serve("bf16", [], prompts, args)]
+    full = None
+    if args.with_full:
+        print("== Lynx full (INT8)", flush=True)
+        full = agreement_of([a["output_ids"] for a in serve("full", ["--lynx"], prompts, args)], reference)
     rows = []
     for bits in args.bits:
-        print(f"== {bits}-bit Anchors", flush=True)
-        rows.append(run_bits(bits, prompts, args))
-        print(f"  acceptance {rows[-1]['acceptance']}, agreement {rows[-1]['agreement']}", flush=True)
+        for tolerance in args.tolerances:
+            print(f"== {bits}-bit Anchors, tolerance {tolerance}", flush=True)
+            answers = serve(
+                f"spec-{bits}bit-t{tolerance}", speculative_flags(bits, tolerance, args), prompts, args
+            )
+            rows.append({"bits": bits, "tolerance": tolerance, **summarize(answers, reference)})
+            r = rows[-1]
+            print(
+                f"  acceptance {r['acceptance']}, agreement {r['agreement']}, {r['rejections']}", flush=True
+            )
     print(
-        f"\n{args.prompts} prompts x {args.prompt_tokens} tokens of {len(TEXTS)} texts, "
+        f"\n{args.model.name}: {args.prompts} prompts x {args.prompt_tokens} tokens of {len(TEXTS)} texts, "
         f"gen {args.gen}, cap {args.cap}, Residual held {args.hold} s"
     )
-    print("| anchor bits | held tokens | accepted | acceptance | per-token agreement | runs fully accepted |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| anchor bits | tolerance | held | acceptance | per-token agreement | fully accepted "
+        "| rejections tie / near / far | far per held | = BF16 outputs | tokens before 1st diff |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
+        rej, vs, far = r["rejections"], r["vs_bf16"], r["far_rejections_per_held"] or 0
         print(
-            f"| {r['bits']} | {r['held']} | {r['accepted']} | {100 * (r['acceptance'] or 0):.1f}% "
-            f"| {100 * (r['agreement'] or 0):.1f}% | {100 * r['fully_accepted']:.0f}% |"
+            f"| {r['bits']} | {r['tolerance']:g} | {r['held']} | {100 * (r['acceptance'] or 0):.1f}% "
+            f"| {100 * (r['agreement'] or 0):.1f}% | {100 * r['fully_accepted']:.0f}% "
+            f"| {rej['tie']} / {rej['near_tie']} / {rej['far']} | {100 * far:.2f}% "
+            f"| {100 * vs['identical_outputs']:.0f}% | {100 * vs['tokens_before_first_difference']:.1f}% |"
+        )
+    if full is not None:
+        print(
+            f"| full (INT8) | | | | | | | | {100 * full['identical_outputs']:.0f}% "
+            f"| {100 * full['tokens_before_first_difference']:.1f}% |"
         )
     (args.out / "spec_acceptance.json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "reference": reference,
+                "full": full,
+                "rows": rows,
+            },
+            indent=1,
+        )
     )
-    plot(rows, args.out / "spec_acceptance.png")
+    plot(rows, args.out / "spec_acceptance.png", args.model.name)
     print(f"wrote {args.out}/spec_acceptance.json and spec_acceptance.png")
 
 

@@ -20,7 +20,6 @@ its top; together they are every upstream symbol Lynx touches:
 * :mod:`lynx_patches.schedule_batch` -- held tokens and deferred finishes; parking instead
   of retraction.
 * :mod:`lynx_patches.scheduler` -- parked requests count as in flight (idle check, abort).
-* :mod:`lynx_patches.logits_processor` -- logits at every position of the verify forward.
 * :mod:`lynx_patches.model_runner` -- the draft distributions of sampled held tokens.
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
@@ -38,7 +37,6 @@ from lynx_patches import (
     disaggregation_prefill,
     disaggregation_utils,
     internal_state,
-    logits_processor,
     model_runner,
     output_streamer,
     schedule_batch,
@@ -62,7 +60,6 @@ def register() -> None:
     output_streamer.register()
     schedule_batch.register()
     scheduler.register()
-    logits_processor.register()
     model_runner.register()
     if is_cpu_engine():
         disaggregation_mooncake_conn.register()

@@ -4,10 +4,10 @@ full-precision one when the Residual lands.
 
 Hook target (``sglang.srt.`` omitted):
 * ``model_executor.model_runner.ModelRunner.sample`` AROUND: before upstream samples a
-  decode batch, for each row of a sampled request decoding on Anchor KV, keep
-  ``softmax(logits / temperature)`` -- the distribution upstream's sampler draws from
-  for the settings Lynx speculates on (temperature only; the others wait for the
-  Residual). Upstream then softmaxes the logits in place, so this runs first.
+  decode batch, for each row of a sampled request decoding on Anchor KV, keep the
+  distribution upstream's sampler draws from (:func:`lynx.verify.target_probs`:
+  temperature, softmax, top-k / top-p / min-p). Upstream then softmaxes the logits in
+  place, so this runs first.
 
 Contract: scheduler thread (the model runner runs there with the non-overlap scheduler,
 which speculative mode requires); reads the logits, never changes them.
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from lynx.verify import target_probs
 from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 
@@ -36,7 +35,7 @@ def _keep_draft_distributions(
         for i, pool_row in enumerate(rows):
             spec = sampled.get(pool_row)
             if spec is not None:
-                spec.pending_probs = torch.softmax(logits[i].float() / spec.sampling.temperature, dim=-1)
+                spec.pending_probs = target_probs(logits[i : i + 1], spec.sampling)[0]
     return original(runner, logits_output, forward_batch, *args, **kwargs)
 
 

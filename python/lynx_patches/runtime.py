@@ -144,7 +144,11 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
         )
         if settings.mode.verifies:
             runtime.decoder = SpeculativeDecoder(
-                runtime.receiver, settings.max_speculative_tokens, page_size, runtime.metrics
+                runtime.receiver,
+                settings.max_speculative_tokens,
+                page_size,
+                runtime.metrics,
+                tolerance=settings.verify_tolerance,
             )
     logger.info(
         "Lynx %s side ready: %s; %s buffer %.1f MiB",

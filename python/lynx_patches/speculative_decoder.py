@@ -19,12 +19,12 @@ through :mod:`lynx_patches.upstream`. The request's life (``lynx.verify.state``)
 * every scheduler iteration, right after upstream's ``process_decode_queue`` (the
   non-overlap loop is quiescent there), :meth:`SpeculativeDecoder.step` polls the
   Residuals. For each that landed: take the request out of the batch, rewrite its prompt
-  KV at full precision, run ONE extend forward over ``t_0..t_{k-1}`` for all of them
-  (logits at every position), accept, free the KV of rejected positions, check the finish
-  over the committed run, and hand the request back: upstream's prebuilt path re-admits it
-  with its committed tokens (streams them, seeds the next decode input), exactly as it
-  resumes a retracted request; a request the committed run finished is released and
-  answered right away.
+  KV at full precision, run ONE forward over ``t_0..t_{k-1}`` of all of them (one
+  decode row per held position, :func:`lynx_patches.upstream.run_verify_forward`),
+  accept, free the KV of rejected positions, check the finish over the committed run,
+  and hand the request back: upstream's prebuilt path re-admits it with its committed
+  tokens (streams them, seeds the next decode input), exactly as it resumes a retracted
+  request; a request the committed run finished is released and answered right away.
 * a Residual that fails or misses its deadline, or an abort while parked: roll back to
   ``t_0``, finish the request with the abort, release its KV and answer the client.
 
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from lynx.metrics import LynxMetrics
-from lynx.transfer import ProgressiveReceiver, RoomReport, Verdict
+from lynx.transfer import ProgressiveReceiver, RequestLayout, RoomReport, Verdict
 from lynx.verify import (
     HeldTokens,
     ParkReason,
@@ -62,9 +62,11 @@ from lynx.verify import (
     SpecState,
     SpeculationReport,
     SpeculationStats,
+    WindowEstimator,
     decide,
     kv_after_commit,
     report,
+    speculation_window,
     unverifiable_because,
 )
 from lynx_patches import upstream
@@ -85,6 +87,7 @@ class Speculation:
     held: HeldTokens
     sampling: SamplingSettings
     admitted_at: float
+    last_held_at: float | None = None
     transfer: RoomReport | None = None
     report: SpeculationReport | None = None
     # Sampled requests: the distribution the next token is being drawn from (set by the
@@ -100,18 +103,22 @@ class SpeculativeDecoder:
     def __init__(
         self,
         receiver: ProgressiveReceiver,
-        cap: int,
+        max_tokens: int,
         page_size: int,
         metrics: LynxMetrics | None,
+        *,
+        tolerance: float = 0.0,
     ) -> None:
         self.receiver = receiver
         # The acceptance rule's coin flips; seeded from the OS, like upstream's sampler.
         self._generator = torch.Generator()
         self._generator.seed()
-        self.cap = cap
+        self.max_tokens = max_tokens
+        self.tolerance = tolerance
         self.page_size = page_size
         self.metrics = metrics
         self.stats = SpeculationStats()
+        self.window = WindowEstimator()
         self._specs: dict[str, Speculation] = {}  # request id -> its speculation, until it ends
         self._tracked: dict[int, Any] = {}  # room -> request speculating, parked or waiting
         self._parked: dict[int, Any] = {}  # room -> request out of every batch, holding its KV
@@ -159,7 +166,14 @@ class SpeculativeDecoder:
     def admit(self, req: Any, room: int, slots: torch.Tensor, vocab_size: int) -> None:
         """Upstream committed ``t_0``; the request's KV pages hold the Anchor."""
         sampling = upstream.sampling_settings(req, vocab_size)
-        held = HeldTokens(self.cap, draft_probs=None if sampling.greedy else [])
+        window = speculation_window(
+            max_tokens=self.max_tokens,
+            residual_bytes=RequestLayout.of(self.receiver.handshake, slots.numel()).sent_residual_nbytes,
+            residual_bytes_per_s=self.window.residual_bytes_per_s,
+            tokens_per_s=self.window.tokens_per_s,
+            agreement=self.stats.agreement_rate,
+        )
+        held = HeldTokens(window, draft_probs=None if sampling.greedy else [])
         spec = Speculation(room, slots, len(req.origin_input_ids), held, sampling, time.monotonic())
         self._specs[req.rid] = spec
         self._tracked[room] = req
@@ -184,6 +198,7 @@ class SpeculativeDecoder:
         if spec.sampled and probs is None:
             raise RuntimeError(f"request {req.rid}: its draft distribution was not kept")
         spec.held.hold(token, probs)
+        spec.last_held_at = time.monotonic()
 
     def park(self, req: Any, reason: ParkReason) -> None:
         spec = self.speculation_of(req)
@@ -317,12 +332,16 @@ class SpeculativeDecoder:
                 spec.sampling,
                 draft_probs=spec.held.draft_probs,
                 generator=self._generator,
+                tolerance=self.tolerance,
             )
+            if spec.last_held_at is not None:
+                self.window.observe_decoding(decision.held, spec.last_held_at - spec.admitted_at)
             park_reason = spec.held.park_reason
             spec.held.committed(decision.accepted)
             self._commit(scheduler, req, decision.accepted, decision.correction)
             spec.report = report(
                 decision,
+                window=spec.held.cap,
                 park_reason=park_reason,
                 anchor_to_commit_s=time.monotonic() - spec.admitted_at,
                 verify_s=verify_s if rows is not None else 0.0,
@@ -351,6 +370,10 @@ class SpeculativeDecoder:
         transfer = self.receiver.forget(room)
         if spec is not None:
             spec.transfer = transfer
+        if transfer is not None and transfer.residual_latency_s and transfer.anchor_latency_s is not None:
+            self.window.observe_residual(
+                transfer.residual_bytes, transfer.residual_latency_s - transfer.anchor_latency_s
+            )
         if transfer is not None and self.metrics is not None:
             self.metrics.observe(transfer)
 

@@ -13,7 +13,6 @@ before SGLang may be.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -160,10 +159,6 @@ CONTRACT: tuple[Relied, ...] = (
         for name in (
             "reqs",
             "forward_mode",
-            "prefix_lens",
-            "extend_lens",
-            "extend_num_tokens",
-            "extend_logprob_start_lens",
             "seq_lens",
             "seq_lens_cpu",
             "orig_seq_lens",
@@ -181,9 +176,8 @@ CONTRACT: tuple[Relied, ...] = (
         "batch",
         "vocab_size",
     ),
-    Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "EXTEND", "member"),
-    Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "TARGET_VERIFY", "member"),
-    _a("sglang.srt.layers.logits_processor.LogitsMetadata", "forward_mode"),
+    Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "DECODE", "member"),
+    _m("sglang.srt.managers.tp_worker.TpModelWorker", "forward_batch_generation", "batch", "is_verify"),
     _m(_SCHEDULER, "is_fully_idle"),
     _m(_SCHEDULER, "collect_inflight_reqs"),
     *(
@@ -502,21 +496,6 @@ def nothing_retracted(parked: list[Any]) -> tuple[list[Any], float, list[Any]]:
 
 # ---- the verify forward ----------------------------------------------------------------------
 
-_verify_pass = threading.local()
-
-
-def verify_pass_active() -> bool:
-    """True while :func:`run_verify_forward` runs (on this thread)."""
-    return getattr(_verify_pass, "active", False)
-
-
-def keep_all_positions(metadata: Any) -> None:
-    """Make the logits processor return a row per position (upstream does so for
-    TARGET_VERIFY), not only each request's last."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    metadata.forward_mode = ForwardMode.TARGET_VERIFY
-
 
 def decode_forward_rows(forward_batch: Any, n_rows: int) -> list[int] | None:
     """The request-pool rows of a decode forward's first ``n_rows`` rows; None if it is
@@ -531,31 +510,41 @@ def next_token_logits(logits_output: Any) -> torch.Tensor:
 
 
 def run_verify_forward(scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-    """One extend forward over ``t_0..t_{k-1}`` of each request (k = its output length - 1)
-    on its KV, rewriting the KV of those positions in place; returns each request's
-    (k, vocab) float32 CPU logits."""
+    """Verify the held tokens of ``reqs`` as the rows of ONE decode forward and return each
+    request's (k, vocab) float32 CPU logits, k = its output length - 1.
+
+    Row i of a request feeds ``t_i`` at position ``prompt_len + i`` into its KV slot there
+    and attends to the request's KV up to and including that slot. Every layer writes the
+    KV of all rows before any row attends, so row i sees the refined prompt and
+    ``t_0..t_{i-1}`` rewritten on it: the same causal computation as an extend over the
+    held tokens, at a decode step's cost per row (attention over the prefix, not over the
+    whole sequence as the CPU backend's extend computes it), with the decode path's
+    numerics -- those a request without speculation is decoded with. Logits come one row
+    per decode row, as for any decode batch.
+    """
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
     device = scheduler.req_to_token_pool.device
     table = scheduler.req_to_token_pool.req_to_token
-    extend_lens, seq_lens, rows, tokens, slots = [], [], [], [], []
+    row_reqs, pool_rows, seq_lens, tokens, slots, held = [], [], [], [], [], []
     for req, prompt_len in zip(reqs, prompt_lens, strict=True):
         k = len(req.output_ids) - 1
-        if kv_allocated_len(req) != prompt_len + k:
+        if k < 1 or kv_allocated_len(req) != prompt_len + k:
             raise RuntimeError(
                 f"request {req.rid}: {kv_allocated_len(req)} KV slots for a prompt of "
                 f"{prompt_len} and {k} held tokens"
             )
         row = req_pool_row(req)
-        extend_lens.append(k)
-        seq_lens.append(prompt_len + k)
-        rows.append(row)
+        row_reqs.extend([req] * k)
+        pool_rows.extend([row] * k)
+        seq_lens.extend(range(prompt_len + 1, prompt_len + k + 1))
         tokens.extend(req.output_ids[:k])
         slots.append(table[row, prompt_len : prompt_len + k])
+        held.append(k)
     batch = ScheduleBatch.init_new(
-        list(reqs),
+        row_reqs,
         scheduler.req_to_token_pool,
         scheduler.token_to_kv_pool_allocator,
         scheduler.tree_cache,
@@ -563,30 +552,22 @@ def run_verify_forward(scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequenc
         False,
         scheduler.spec_algorithm,
     )
-    batch.forward_mode = ForwardMode.EXTEND
-    batch.prefix_lens = list(prompt_lens)
-    batch.extend_lens = extend_lens
-    batch.extend_num_tokens = sum(extend_lens)
-    batch.extend_logprob_start_lens = list(extend_lens)
+    batch.forward_mode = ForwardMode.DECODE
     batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
     batch.orig_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     batch.seq_lens_sum = sum(seq_lens)
-    batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=device)
-    batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
-    batch.out_cache_loc = torch.cat(slots).to(torch.int64)
+    batch.req_pool_indices = torch.tensor(pool_rows, dtype=torch.int64, device=device)
+    batch.req_pool_indices_cpu = torch.tensor(pool_rows, dtype=torch.int64)
+    batch.out_cache_loc = torch.cat(slots).to(device=device, dtype=torch.int64)
     batch.input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-    batch.multimodal_inputs = [None] * len(reqs)
+    batch.multimodal_inputs = [None] * len(row_reqs)
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, vocab_size(scheduler))
-    _verify_pass.active = True
-    try:
-        result = scheduler.tp_worker.forward_batch_generation(batch, is_verify=True)
-    finally:
-        _verify_pass.active = False
+    result = scheduler.tp_worker.forward_batch_generation(batch, is_verify=True)
     logits = next_token_logits(result.logits_output)
-    if logits.shape[0] != batch.extend_num_tokens:
-        raise RuntimeError(f"verify forward gave {logits.shape[0]} logit rows for {batch.extend_num_tokens}")
-    return list(logits.float().cpu().split(extend_lens))
+    if logits.shape[0] != len(row_reqs):
+        raise RuntimeError(f"verify forward gave {logits.shape[0]} logit rows for {len(row_reqs)}")
+    return list(logits.float().cpu().split(held))
 
 
 # ---- the contract, checked ------------------------------------------------------------------

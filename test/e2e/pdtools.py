@@ -54,10 +54,12 @@ def pd_generate(
     max_new_tokens: int = 16,
     rid: str | None = None,
     sampling: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict:
     """What the router does for one request: the same body, with bootstrap fields, to both
     servers at once; the answer is decode's. Raises HTTPError with decode's error.
-    Greedy, ``max_new_tokens`` tokens whatever EOS says, unless ``sampling`` overrides."""
+    Greedy, ``max_new_tokens`` tokens whatever EOS says, unless ``sampling`` overrides;
+    ``extra``: more top-level fields (e.g. ``return_logprob``)."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})}
     body: dict[str, Any] = {
         "text": prompt,
@@ -65,6 +67,7 @@ def pd_generate(
         "bootstrap_host": HOST,
         "bootstrap_port": prefill.bootstrap_port,
         "bootstrap_room": random.getrandbits(62),
+        **(extra or {}),
     }
     if rid is not None:
         body["rid"] = rid

@@ -209,21 +209,23 @@ def test_streaming_sends_only_committed_tokens(servers: dict) -> None:
 
 
 def test_sampled_requests_speculate_and_unverifiable_ones_wait(servers: dict, idle_kv: dict) -> None:
-    sampled = pd_generate(
-        servers["PS"], servers["DS"], PROMPTS[2], max_new_tokens=16, sampling={"temperature": 0.8}
-    )
-    assert sampled["meta_info"]["completion_tokens"] == 16
-    assert speculation(sampled)["held"] > 0
+    # Temperature alone and with top-k / top-p / min-p filtering (what OpenAI clients send):
+    # both speculate, verified by the speculative-sampling rule on the filtered distributions.
+    for sampling in ({"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.5, "top_k": 20, "min_p": 0.05}):
+        sampled = pd_generate(servers["PS"], servers["DS"], PROMPTS[2], max_new_tokens=16, sampling=sampling)
+        assert sampled["meta_info"]["completion_tokens"] == 16
+        assert speculation(sampled)["held"] > 0, sampling
     before = state(servers["DS"])["lynx_transfer"]["speculation"]["waited"]
-    top_p = pd_generate(
+    with_logprobs = pd_generate(
         servers["PS"],
         servers["DS"],
         PROMPTS[2],
         max_new_tokens=16,
-        sampling={"temperature": 0.8, "top_p": 0.5},
+        sampling={"temperature": 0.8},
+        extra={"return_logprob": True},
     )
-    assert top_p["meta_info"]["completion_tokens"] == 16
-    assert speculation(top_p)["held"] == 0
+    assert with_logprobs["meta_info"]["completion_tokens"] == 16
+    assert speculation(with_logprobs)["held"] == 0
     assert state(servers["DS"])["lynx_transfer"]["speculation"]["waited"] == before + 1
     wait_for(lambda: idle(servers["DS"], idle_kv["DS"]), "idle")
 

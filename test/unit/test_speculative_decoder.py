@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from lynx.transfer import RoomReport, Verdict
+from lynx.codec import CodecConfig, KVLayout
+from lynx.mode import Mode
+from lynx.transfer import Handshake, RoomReport, Verdict
 from lynx.verify import ParkReason, SpecState
 from lynx_patches import upstream
 from lynx_patches.speculative_decoder import META_INFO_KEY, SpeculativeDecoder
@@ -21,6 +23,8 @@ VOCAB, PROMPT, ROOM = 16, 5, 11
 
 
 class Receiver:
+    handshake = Handshake(Mode.SPECULATIVE, CodecConfig(), KVLayout(2, 2, 64, torch.bfloat16))
+
     def __init__(self) -> None:
         self.verdicts: dict[int, tuple[Verdict, str | None]] = {}
         self.written: list[int] = []
@@ -100,7 +104,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(upstream, "release_and_answer", lambda scheduler, req: answered.append(req))
     monkeypatch.setattr(upstream, "abort_with", lambda req, reason: setattr(req, "to_finish", reason))
     receiver = Receiver()
-    decoder = SpeculativeDecoder(receiver, cap=3, page_size=1, metrics=None)  # type: ignore[arg-type]
+    decoder = SpeculativeDecoder(receiver, max_tokens=3, page_size=1, metrics=None)  # type: ignore[arg-type]
     return SimpleNamespace(receiver=receiver, decoder=decoder, answered=answered, logits=verify_logits)
 
 
@@ -142,7 +146,8 @@ def test_verification_commits_the_accepted_prefix_and_the_correction(world: Simp
     assert world.receiver.forgotten == [ROOM]
     speculation = req.customized_info[META_INFO_KEY][0]["speculation"]  # type: ignore[index]
     assert (speculation["held"], speculation["accepted"], speculation["rejected"]) == (3, 1, True)
-    assert speculation["park_reason"] == ParkReason.CAP.value
+    assert speculation["park_reason"] == ParkReason.CAP.value and speculation["window"] == 3
+    assert speculation["rejection_gap"] == pytest.approx(5.0)
     stats = world.decoder.stats
     assert (stats.held_tokens, stats.accepted_tokens, stats.rejections, stats.active) == (3, 1, 1, 0)
     assert world.decoder.speculation_of(req) is None and not world.decoder.holds_tokens(req)
@@ -162,7 +167,8 @@ def test_a_residual_that_fails_rolls_back_to_the_first_token(world: SimpleNamesp
 
 
 def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace) -> None:
-    req = Req("a", top_p=0.9, top_k=VOCAB, temperature=0.7)
+    req = Req("a")
+    req.return_logprob = True  # logprobs of held tokens are not rebuilt yet
     scheduler = admitted(world, req)
     spec = world.decoder.speculation_of(req)
     assert spec is not None and spec.held.state is SpecState.PARKED

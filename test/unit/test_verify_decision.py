@@ -65,9 +65,9 @@ def test_sampled_requests_need_every_draft_distribution() -> None:
     [
         ({}, None),
         ({"top_k": VOCAB, "temperature": 0.8}, None),  # plain temperature sampling speculates
-        ({"top_k": 4, "temperature": 0.8}, "top-k sampling"),
-        ({"top_p": 0.9}, "top-p sampling"),
-        ({"min_p": 0.1}, "min-p sampling"),
+        ({"top_k": 4, "temperature": 0.8}, None),  # filtered sampling speculates too
+        ({"top_p": 0.9, "top_k": VOCAB}, None),
+        ({"min_p": 0.1, "top_k": VOCAB}, None),
         ({"logprobs": True}, "logprobs"),
         ({"grammar": True}, "a grammar"),
         ({"penalties": True}, "penalties"),
@@ -84,17 +84,40 @@ def test_what_waits_for_the_residual(change: dict, reason: str | None) -> None:
 
 def test_the_report_carries_the_decision() -> None:
     decision = decide([3, 4, 5], logits_choosing(3, 0, 5), GREEDY)
-    out = report(decision, park_reason=ParkReason.CAP, anchor_to_commit_s=1.5, verify_s=0.25)
+    out = report(decision, window=8, park_reason=ParkReason.CAP, anchor_to_commit_s=1.5, verify_s=0.25)
     assert dataclasses.asdict(out) == {
         "held": 3,
+        "window": 8,
         "accepted": 1,
         "agreed": 2,
         "rejected": True,
+        "rejection_gap": pytest.approx(5.0),
         "park_reason": ParkReason.CAP.value,
         "anchor_to_commit_s": 1.5,
         "verify_s": 0.25,
     }
-    assert (
-        report(decide([], None, GREEDY), park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0).park_reason
-        is None
+    nothing = report(
+        decide([], None, GREEDY), window=8, park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0
     )
+    assert nothing.park_reason is None and nothing.rejection_gap is None
+
+
+def test_tolerance_accepts_a_near_tie_and_still_corrects_to_the_argmax() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[0, 3], logits[0, 2] = 2.0, 1.96  # held token 2 is 0.04 below the best
+    logits[1, 5] = 4.0
+    strict = decide([2, 5], logits, GREEDY)
+    assert (strict.accepted, strict.correction) == (0, 3)
+    assert strict.rejection_gap == pytest.approx(0.04, abs=1e-6)
+    just_inside = decide([2, 5], logits, GREEDY, tolerance=0.0401)
+    assert (just_inside.accepted, just_inside.correction, just_inside.rejection_gap) == (2, None, None)
+    just_outside = decide([2, 5], logits, GREEDY, tolerance=0.0399)
+    assert (just_outside.accepted, just_outside.correction) == (0, 3)
+
+
+def test_strict_mode_breaks_exact_ties_as_argmax_does() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1] = logits[0, 6] = 3.0  # argmax picks 1
+    tied = decide([6], logits, GREEDY)
+    assert (tied.accepted, tied.correction, tied.rejection_gap) == (0, 1, 0.0)
+    assert decide([6], logits, GREEDY, tolerance=1e-9).accepted == 1

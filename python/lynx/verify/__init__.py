@@ -1,19 +1,30 @@
 """Verification of tokens decoded on Anchor KV against full-precision KV.
 
 :mod:`lynx.verify.acceptance`: the greedy and speculative-sampling acceptance rules;
+:mod:`lynx.verify.sampling`: the distribution a sampled token is drawn from, rebuilt from logits;
 :mod:`lynx.verify.decision`: may a request speculate, what its verify pass commits, its report;
 :mod:`lynx.verify.state`: a speculative request's state machine and held tokens;
 :mod:`lynx.verify.rollback`: which KV slots a commit keeps and frees;
+:mod:`lynx.verify.window`: how many tokens a request holds before its Residual lands;
 :mod:`lynx.verify.stats`: what speculation did, per request and per server.
 """
 
-from lynx.verify.acceptance import VerifyOutcome, greedy_agreement, verify_greedy, verify_sampling
-from lynx.verify.decision import SamplingSettings, VerifyDecision, decide, report, unverifiable_because
+from lynx.verify.acceptance import (
+    VerifyOutcome,
+    greedy_agreement,
+    log_prob_gaps,
+    verify_greedy,
+    verify_sampling,
+)
+from lynx.verify.decision import VerifyDecision, decide, report, unverifiable_because
 from lynx.verify.rollback import KVCommit, kv_after_commit
+from lynx.verify.sampling import SamplingSettings, filter_probs, target_probs
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
-from lynx.verify.stats import SpeculationReport, SpeculationStats
+from lynx.verify.stats import NEAR_TIE_GAP, SpeculationReport, SpeculationStats
+from lynx.verify.window import WindowEstimator, speculation_window
 
 __all__ = [
+    "NEAR_TIE_GAP",
     "SPEC_TRANSITIONS",
     "HeldTokens",
     "KVCommit",
@@ -24,10 +35,15 @@ __all__ = [
     "SpeculationStats",
     "VerifyDecision",
     "VerifyOutcome",
+    "WindowEstimator",
     "decide",
+    "filter_probs",
     "greedy_agreement",
     "kv_after_commit",
+    "log_prob_gaps",
     "report",
+    "speculation_window",
+    "target_probs",
     "unverifiable_because",
     "verify_greedy",
     "verify_sampling",

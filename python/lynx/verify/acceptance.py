@@ -57,14 +57,31 @@ def _check(held: torch.Tensor, p: torch.Tensor) -> int:
     return k
 
 
-def verify_greedy(held: torch.Tensor, full_logits: torch.Tensor) -> VerifyOutcome:
-    """Greedy acceptance. ``full_logits``: (k or k + 1, vocab), row i predicts position i + 1."""
+def verify_greedy(held: torch.Tensor, full_logits: torch.Tensor, tolerance: float = 0.0) -> VerifyOutcome:
+    """Greedy acceptance. ``full_logits``: (k or k + 1, vocab), row i predicts position i + 1.
+
+    ``tolerance`` 0: a held token is accepted only if it is the argmax (exact: what
+    full-precision greedy decoding picks). ``tolerance`` T > 0 (opt-in): also if its
+    full-precision log-probability is within T of the best one at its position; the
+    correction after a rejection is still the argmax.
+    """
     k = _check(held, full_logits)
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     target = full_logits.argmax(dim=-1)
-    mismatch = (target[:k] != held).nonzero()
+    rejected = target[:k] != held if tolerance == 0 else log_prob_gaps(held, full_logits) > tolerance
+    mismatch = rejected.nonzero()
     m = int(mismatch[0]) if mismatch.numel() else k
     tail = [int(target[m])] if m < target.numel() else []
     return VerifyOutcome(held=k, accepted=m, tokens=[*held[:m].tolist(), *tail])
+
+
+def log_prob_gaps(held: torch.Tensor, full_logits: torch.Tensor) -> torch.Tensor:
+    """Per held token: how far its full-precision log-probability is below the best one at
+    its position (0 for the argmax or an exact tie), float64."""
+    k = _check(held, full_logits)
+    logp = torch.log_softmax(full_logits[:k].double(), dim=-1)
+    return logp.max(dim=-1).values - logp[torch.arange(k), held]
 
 
 def greedy_agreement(held: torch.Tensor, full_logits: torch.Tensor) -> int:

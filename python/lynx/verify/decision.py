@@ -14,33 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lynx.verify.acceptance import greedy_agreement, verify_greedy, verify_sampling
+from lynx.verify.acceptance import greedy_agreement, log_prob_gaps, verify_greedy, verify_sampling
+from lynx.verify.sampling import SamplingSettings, target_probs
 from lynx.verify.state import ParkReason
 from lynx.verify.stats import SpeculationReport
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """What decides one request's token choice, as far as verification is concerned."""
-
-    temperature: float
-    top_k: int  # 1 means greedy (the serving engine's normalisation of temperature 0)
-    top_p: float
-    min_p: float
-    vocab_size: int
-    # Per-token features the verify pass cannot reproduce exactly (yet), by name.
-    logprobs: bool = False
-    grammar: bool = False
-    penalties: bool = False
-    min_new_tokens: bool = False
-    logit_bias: bool = False
-    custom_logit_processor: bool = False
-    hidden_states: bool = False
-    watermark: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.top_k == 1
 
 
 def unverifiable_because(sampling: SamplingSettings) -> str | None:
@@ -48,9 +25,6 @@ def unverifiable_because(sampling: SamplingSettings) -> str | None:
     it waits for the Residual instead of speculating), or None."""
     s = sampling
     checks = (
-        (not s.greedy and s.top_k < s.vocab_size, "top-k sampling"),
-        (s.top_p < 1.0, "top-p sampling"),
-        (s.min_p > 0.0, "min-p sampling"),
         (s.logprobs, "logprobs"),
         (s.grammar, "a grammar"),
         (s.penalties, "penalties"),
@@ -73,6 +47,9 @@ class VerifyDecision:
     accepted: int
     correction: int | None
     agreed: int | None  # greedy: held tokens equal to the full-precision argmax (teacher-forced)
+    # greedy, after a rejection: the rejected token's log-probability gap to the best one
+    # (near 0: a near-tie the kernels break either way; large: the Anchor misled the draft)
+    rejection_gap: float | None = None
 
     @property
     def rejected(self) -> bool:
@@ -86,38 +63,47 @@ def decide(
     *,
     draft_probs: Sequence[torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
+    tolerance: float = 0.0,
 ) -> VerifyDecision:
     """Verify ``held`` (tokens decoded on the Anchor after ``t_0``) against ``logits``,
     the verify pass's (k, vocab) rows on the refined KV (row i predicts held token i).
 
     ``logits`` None: the request holds no token (nothing to verify). Greedy requests keep
     the longest prefix equal to the argmax; sampled ones follow the speculative-sampling
-    rule with ``draft_probs`` (the distribution each held token was drawn from)."""
+    rule with ``draft_probs`` (the distribution each held token was drawn from) against
+    :func:`lynx.verify.sampling.target_probs` of ``logits``.
+    ``tolerance`` > 0 relaxes greedy acceptance (:func:`lynx.verify.verify_greedy`)."""
     if logits is None:
         if held:
             raise ValueError(f"{len(held)} held tokens but no verify logits")
         return VerifyDecision(held=0, accepted=0, correction=None, agreed=None)
     tokens = torch.tensor(list(held), dtype=torch.int64)
+    gap = None
     if sampling.greedy:
-        outcome = verify_greedy(tokens, logits)
+        outcome = verify_greedy(tokens, logits, tolerance)
         agreed: int | None = greedy_agreement(tokens, logits)
+        if outcome.rejected:
+            gap = float(log_prob_gaps(tokens, logits)[outcome.accepted])
     else:
         if draft_probs is None or len(draft_probs) != len(held):
             raise ValueError("a sampled request needs the draft distribution of every held token")
         outcome = verify_sampling(
             tokens,
             torch.stack(list(draft_probs)).float().cpu(),
-            torch.softmax(logits.float() / sampling.temperature, dim=-1),
+            target_probs(logits, sampling),
             generator=generator,
         )
         agreed = None
     correction = outcome.tokens[-1] if outcome.rejected else None
-    return VerifyDecision(held=outcome.held, accepted=outcome.accepted, correction=correction, agreed=agreed)
+    return VerifyDecision(
+        held=outcome.held, accepted=outcome.accepted, correction=correction, agreed=agreed, rejection_gap=gap
+    )
 
 
 def report(
     decision: VerifyDecision,
     *,
+    window: int,
     park_reason: ParkReason | None,
     anchor_to_commit_s: float,
     verify_s: float,
@@ -126,9 +112,11 @@ def report(
     ``verify_s``: the verify pass it was part of (0 without one)."""
     return SpeculationReport(
         held=decision.held,
+        window=window,
         accepted=decision.accepted,
         agreed=decision.agreed,
         rejected=decision.rejected,
+        rejection_gap=decision.rejection_gap,
         park_reason=None if park_reason is None else park_reason.value,
         anchor_to_commit_s=anchor_to_commit_s,
         verify_s=verify_s,

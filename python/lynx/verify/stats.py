@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+NEAR_TIE_GAP = 0.125  # log-probability: one bf16 rounding step of a logit around 16-32
+
 
 @dataclass
 class SpeculationReport:
     """One request's speculation, reported in its ``meta_info["lynx_transfer"]``."""
 
     held: int  # tokens decoded on Anchor KV and held back
+    window: int  # most tokens it was allowed to hold (lynx.verify.window)
     accepted: int  # of those, committed after verification
     agreed: int | None  # greedy: held tokens equal to the full-precision argmax at their position
     rejected: bool  # a held token was wrong: the rest was rolled back, one token corrected
+    rejection_gap: float | None  # greedy: log-probability gap of the rejected token to the best
     park_reason: str | None
     anchor_to_commit_s: float  # first decode on the Anchor -> tokens committed
     verify_s: float  # the verify forward this request was part of
@@ -28,6 +32,10 @@ class SpeculationStats:
     greedy_held_tokens: int = 0
     agreed_tokens: int = 0  # greedy held tokens equal to the full-precision argmax (teacher-forced)
     rejections: int = 0  # requests with at least one rejected held token
+    # greedy rejections by the rejected token's log-probability gap to the best one
+    rejections_tied: int = 0  # an exact tie (gap 0) the argmax broke the other way
+    rejections_near_tie: int = 0  # 0 < gap < NEAR_TIE_GAP: numerics more than Anchor error
+    rejections_far: int = 0  # gap >= NEAR_TIE_GAP
     verify_passes: int = 0
     verify_seconds: float = 0.0
     failed: int = 0  # Residual never landed, or the request was aborted while speculative
@@ -45,6 +53,14 @@ class SpeculationStats:
         self.held_tokens += report.held
         self.accepted_tokens += report.accepted
         self.rejections += report.rejected
+        gap = report.rejection_gap
+        if gap is not None:
+            if gap == 0.0:
+                self.rejections_tied += 1
+            elif gap < NEAR_TIE_GAP:
+                self.rejections_near_tie += 1
+            else:
+                self.rejections_far += 1
         if report.agreed is not None:
             self.greedy_held_tokens += report.held
             self.agreed_tokens += report.agreed
