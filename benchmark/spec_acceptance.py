@@ -35,25 +35,50 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 from bench_texts import MODEL_DIR
 from pd_transfer import TEXTS, Pair, agreement_of, prompts_from
 from transformers import AutoTokenizer
 
+from lynx.codec import CodecConfig, KVLayout
+from lynx.mode import Mode
+from lynx.transfer import Handshake, RequestLayout
+from lynx.transfer.protocol import protection_cost
 from lynx.verify import NEAR_TIE_GAP
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def serve(name: str, flags: list[str], prompts: list[str], args: argparse.Namespace) -> list[dict]:
+def protect_pair(text: str) -> tuple[int, int]:
+    first, last = text.split(":")
+    return int(first), int(last)
+
+
+def extra_config(text: str) -> tuple[int, float, tuple[int, int]]:
+    bits, tolerance, first, last = text.split(":")
+    return int(bits), float(tolerance), (int(first), int(last))
+
+
+def serve(
+    name: str, flags: list[str], prompts: list[str], args: argparse.Namespace, *, at_once: bool
+) -> list[dict]:
+    """Each prompt's answer from a fresh pair; ``at_once``: all requests concurrently (the
+    speculative runs, whose Residual is held back anyway), else one after the other."""
     decode_flags = ["--disable-overlap-schedule"] if "speculative" in flags else []
     with Pair(name, flags, args, args.out / "logs", decode_flags) as pair:
         pair.generate("warm up", 2)
-        with ThreadPoolExecutor(len(prompts)) as pool:
+        with ThreadPoolExecutor(len(prompts) if at_once else 1) as pool:
             return list(pool.map(lambda p: pair.generate(p, args.gen)[0], prompts))
 
 
-def speculative_flags(bits: int, tolerance: float, args: argparse.Namespace) -> list[str]:
+def speculative_flags(
+    bits: int, tolerance: float, protect: tuple[int, int], args: argparse.Namespace
+) -> list[str]:
     return [
+        "--lynx-protect-first",
+        str(protect[0]),
+        "--lynx-protect-last",
+        str(protect[1]),
         "--lynx",
         "--lynx-mode",
         "speculative",
@@ -97,17 +122,25 @@ def summarize(answers: list[dict], reference: list[list[int]]) -> dict[str, Any]
     }
 
 
+def model_kv_layout(model: Path) -> KVLayout:
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return KVLayout(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, torch.bfloat16)
+
+
 def plot(rows: list[dict], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [f"{r['bits']}b T={r['tolerance']:g}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    labels = [f"{r['bits']}b p{r['protect'][0]}:{r['protect'][1]} T={r['tolerance']:g}" for r in rows]
     ax.bar(labels, [100 * (r["acceptance"] or 0) for r in rows], label="acceptance")
     ax.plot(labels, [100 * (r["agreement"] or 0) for r in rows], "o", color="k", label="per-token agreement")
     ax.set_ylabel("held tokens (%)")
+    ax.tick_params(axis="x", labelrotation=30)
     ax.set_ylim(0, 100)
     ax.legend(loc="lower right")
     ax.set_title(f"Speculative acceptance, {model}")
@@ -123,6 +156,12 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--tolerances", type=float, nargs="+", default=[0.0])
+    parser.add_argument(
+        "--protect", type=protect_pair, nargs="+", default=[(0, 0)], help="protected FIRST:LAST token counts"
+    )
+    parser.add_argument(
+        "--extra", type=extra_config, nargs="*", help="more BITS:TOLERANCE:FIRST:LAST configurations"
+    )
     parser.add_argument("--with-full", action="store_true", help="also serve Lynx full mode (INT8)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
@@ -137,44 +176,65 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = prompts_from(args.data, tokenizer, args.prompts, args.prompt_tokens, skip=500)
+    layout = model_kv_layout(args.model)
     print("== plain BF16 PD (reference)", flush=True)
-    reference = [a["output_ids"] for a in serve("bf16", [], prompts, args)]
+    reference = [a["output_ids"] for a in serve("bf16", [], prompts, args, at_once=False)]
     full = None
     if args.with_full:
         print("== Lynx full (INT8)", flush=True)
-        full = agreement_of([a["output_ids"] for a in serve("full", ["--lynx"], prompts, args)], reference)
+        full = agreement_of(
+            [a["output_ids"] for a in serve("full", ["--lynx"], prompts, args, at_once=False)], reference
+        )
     rows = []
-    for bits in args.bits:
-        for tolerance in args.tolerances:
-            print(f"== {bits}-bit Anchors, tolerance {tolerance}", flush=True)
-            answers = serve(
-                f"spec-{bits}bit-t{tolerance}", speculative_flags(bits, tolerance, args), prompts, args
-            )
-            rows.append({"bits": bits, "tolerance": tolerance, **summarize(answers, reference)})
-            r = rows[-1]
-            print(
-                f"  acceptance {r['acceptance']}, agreement {r['agreement']}, {r['rejections']}", flush=True
-            )
+    configs = [(b, t, p) for b in args.bits for p in args.protect for t in args.tolerances]
+    configs += [c for c in args.extra or [] if c not in configs]
+    for bits, tolerance, protect in configs:
+        print(f"== {bits}-bit Anchors, tolerance {tolerance}, protect {protect}", flush=True)
+        flags = speculative_flags(bits, tolerance, protect, args)
+        name = f"spec-{bits}bit-t{tolerance}-p{protect[0]}-{protect[1]}"
+        answers = serve(name, flags, prompts, args, at_once=True)
+        handshake = Handshake(
+            Mode.SPECULATIVE,
+            CodecConfig(anchor_bits=bits),
+            layout,
+            protect_first=protect[0],
+            protect_last=protect[1],
+        )
+        rows.append(
+            {
+                "bits": bits,
+                "tolerance": tolerance,
+                "protect": list(protect),
+                "protected_tokens": RequestLayout.of(handshake, args.prompt_tokens).protected_tokens,
+                "anchor_bytes_added": protection_cost(handshake, args.prompt_tokens)[0],
+                **summarize(answers, reference),
+            }
+        )
+        r = rows[-1]
+        print(f"  acceptance {r['acceptance']}, agreement {r['agreement']}, {r['rejections']}", flush=True)
     print(
         f"\n{args.model.name}: {args.prompts} prompts x {args.prompt_tokens} tokens of {len(TEXTS)} texts, "
         f"gen {args.gen}, cap {args.cap}, Residual held {args.hold} s"
     )
     print(
-        "| anchor bits | tolerance | held | acceptance | per-token agreement | fully accepted "
-        "| rejections tie / near / far | far per held | = BF16 outputs | tokens before 1st diff |"
+        "| anchor bits | protect first:last (tokens) | Anchor bytes added | tolerance | held | acceptance "
+        "| per-token agreement | fully accepted | rejections tie / near / far | far per held "
+        "| = BF16 outputs | tokens before 1st diff |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         rej, vs, far = r["rejections"], r["vs_bf16"], r["far_rejections_per_held"] or 0
+        first, last = r["protect"]
         print(
-            f"| {r['bits']} | {r['tolerance']:g} | {r['held']} | {100 * (r['acceptance'] or 0):.1f}% "
+            f"| {r['bits']} | {first}:{last} ({r['protected_tokens']}) | {r['anchor_bytes_added']} "
+            f"| {r['tolerance']:g} | {r['held']} | {100 * (r['acceptance'] or 0):.1f}% "
             f"| {100 * (r['agreement'] or 0):.1f}% | {100 * r['fully_accepted']:.0f}% "
             f"| {rej['tie']} / {rej['near_tie']} / {rej['far']} | {100 * far:.2f}% "
             f"| {100 * vs['identical_outputs']:.0f}% | {100 * vs['tokens_before_first_difference']:.1f}% |"
         )
     if full is not None:
         print(
-            f"| full (INT8) | | | | | | | | {100 * full['identical_outputs']:.0f}% "
+            f"| full (INT8) | | | | | | | | | | {100 * full['identical_outputs']:.0f}% "
             f"| {100 * full['tokens_before_first_difference']:.1f}% |"
         )
     (args.out / "spec_acceptance.json").write_text(

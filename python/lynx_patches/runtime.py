@@ -105,7 +105,9 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
     k, v = upstream.kv_pool_buffers(pool)
     try:
         layout = codec.kv_layout_of(k, v)
-        handshake = Handshake(settings.mode, settings.codec_config(), layout)
+        handshake = Handshake(
+            settings.mode, settings.codec_config(), layout, settings.protect_first, settings.protect_last
+        )
         bytes_per_token(layout, handshake.codec)  # checks group_size against head_dim
     except codec.CodecError as exc:
         raise LynxConfigError(f"--lynx cannot encode this KV pool: {exc}") from exc

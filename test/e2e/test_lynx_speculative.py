@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_group, state, wait_for
 
-from lynx.tools.cluster import HOST, ServerConfig, http_json, start_together
+from lynx.tools.cluster import HOST, ServerConfig, http_json, running
 
 pytestmark = pytest.mark.e2e
 
@@ -84,12 +84,8 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
         "PF": Prefill(config, log_dir, "PF", FULL_INT8),
         "DF": decode_server(config, log_dir, "DF", FULL_INT8),
     }
-    start_together(list(group.values()))
-    try:
+    with running(group):
         yield group
-    finally:
-        for server in group.values():
-            server.stop()
 
 
 @pytest.fixture(scope="module")

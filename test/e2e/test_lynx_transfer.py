@@ -32,7 +32,7 @@ from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_
 
 from lynx.codec import CodecConfig, KVLayout
 from lynx.mode import Mode
-from lynx.tools.cluster import ServerConfig, SingleServer, http_json, start_together
+from lynx.tools.cluster import ServerConfig, SingleServer, http_json, running
 from lynx.transfer import RequestLayout
 
 pytestmark = pytest.mark.e2e
@@ -70,12 +70,8 @@ def servers(config: ServerConfig, log_dir: Path) -> Iterator[dict[str, Any]]:
         "PA": Prefill(config, log_dir, "PA", ANCHOR_ONLY),
         "DA": decode_server(config, log_dir, "DA", ANCHOR_ONLY),
     }
-    start_together(list(group.values()))
-    try:
+    with running(group):
         yield group
-    finally:
-        for server in group.values():
-            server.stop()
 
 
 @pytest.fixture(scope="module")

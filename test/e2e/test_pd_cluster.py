@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from lynx.tools.cluster import PDCluster, ServerConfig, SingleServer, http_json, start_together
+from lynx.tools.cluster import PDCluster, ServerConfig, SingleServer, http_json, running
 from lynx.tools.demo import chat_once
 from lynx_patches.sgl_kernel import SHIM_ROOT
 
@@ -65,12 +65,8 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict]:
             env={"SGLANG_PLUGINS": "no-such-plugin", "PYTHONPATH": str(SHIM_ROOT)},
         ),
     }
-    start_together(list(group.values()))
-    try:
+    with running(group):
         yield group
-    finally:
-        for g in group.values():
-            g.stop()
 
 
 def generate(url: str, prompt: str, max_new_tokens: int = 24) -> dict:

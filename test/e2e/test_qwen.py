@@ -18,7 +18,7 @@ import pytest
 from pdtools import Prefill, decode_server, pd_generate, state
 
 from lynx.tools import models
-from lynx.tools.cluster import ServerConfig, start_together
+from lynx.tools.cluster import ServerConfig, running
 
 pytestmark = pytest.mark.e2e
 
@@ -51,12 +51,8 @@ def servers(log_dir: Path) -> Iterator[dict[str, Any]]:
         "PS": Prefill(config, log_dir, "PS", SPEC_EXACT),
         "DS": decode_server(config, log_dir, "DS", [*SPEC_EXACT, "--disable-overlap-schedule"]),
     }
-    start_together(list(group.values()))
-    try:
+    with running(group):
         yield group
-    finally:
-        for server in group.values():
-            server.stop()
 
 
 def test_speculative_with_exact_residual_equals_plain_bf16_pd_on_qwen(servers: dict) -> None:

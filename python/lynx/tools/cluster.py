@@ -378,6 +378,17 @@ def start_together(groups: Sequence[SingleServer | PDCluster]) -> None:
 
 
 @contextlib.contextmanager
+def running(group: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Start every server or cluster of ``group`` together, yield it, stop them all."""
+    start_together(list(group.values()))
+    try:
+        yield group
+    finally:
+        for server in group.values():
+            server.stop()
+
+
+@contextlib.contextmanager
 def terminate_on_sigterm() -> Iterator[None]:
     """Turn SIGTERM into SystemExit so ``finally``/``with`` blocks stop the servers."""
 
