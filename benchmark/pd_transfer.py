@@ -316,6 +316,7 @@ def main() -> None:
             held = sum(r["held"] for r in res["speculation"])
             row["acceptance"] = sum(r["accepted"] for r in res["speculation"]) / held if held else None
             row["mean_verify_s"] = statistics.mean(r["verify_s"] for r in res["speculation"])
+            row["mean_refine_s"] = statistics.mean(r.get("refine_s", 0.0) for r in res["speculation"])
             row["mean_held"] = held / len(res["speculation"])
         rows.append(row)
     link = args.link or "loopback"

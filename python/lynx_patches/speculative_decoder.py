@@ -297,10 +297,13 @@ class SpeculativeDecoder:
             upstream.requeue(scheduler, req)
 
     def _verify_and_commit(self, scheduler: Any, reqs: list[Any]) -> None:
-        refined = []
+        # Phases timed apart (refine, forward, commit): the verify pass must cost a few
+        # decode steps, and this says which phase does not.
+        refined, refine_s = [], {}
         for req in reqs:
             spec = self._spec(req)
             spec.held.verifying()
+            started = time.monotonic()
             try:
                 if not self.receiver.write_kv(spec.room, spec.slots):
                     raise RuntimeError("the Residual landed but the KV was not refined")
@@ -309,6 +312,8 @@ class SpeculativeDecoder:
                 self._fail(scheduler, req, f"refining the received KV failed: {exc}")
                 continue
             refined.append(req)
+            refine_s[id(req)] = time.monotonic() - started
+            self.stats.refine_seconds += refine_s[id(req)]
         drafted = [req for req in refined if len(req.output_ids) > 1]
         started = time.monotonic()
         logits = (
@@ -321,6 +326,7 @@ class SpeculativeDecoder:
             self.stats.verify_passes += 1
             self.stats.verify_seconds += verify_s
         by_req = {id(req): rows for req, rows in zip(drafted, logits, strict=True)}
+        commit_started = time.monotonic()
         for req in refined:
             spec = self._spec(req)
             if list(req.output_ids[1:]) != spec.held.tokens:
@@ -345,6 +351,7 @@ class SpeculativeDecoder:
                 park_reason=park_reason,
                 anchor_to_commit_s=time.monotonic() - spec.admitted_at,
                 verify_s=verify_s if rows is not None else 0.0,
+                refine_s=refine_s[id(req)],
             )
             self.stats.record(spec.report)
             if self.metrics is not None:
@@ -355,6 +362,7 @@ class SpeculativeDecoder:
             self._end(spec.room, drain=False)
             self._report(req, spec)
             self._hand_back(scheduler, req)
+        self.stats.commit_seconds += time.monotonic() - commit_started
 
     # ---- bookkeeping ------------------------------------------------------------------------
 

@@ -95,6 +95,7 @@ def test_the_report_carries_the_decision() -> None:
         "park_reason": ParkReason.CAP.value,
         "anchor_to_commit_s": 1.5,
         "verify_s": 0.25,
+        "refine_s": 0.0,
     }
     nothing = report(
         decide([], None, GREEDY), window=8, park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0

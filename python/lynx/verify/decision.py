@@ -107,6 +107,7 @@ def report(
     park_reason: ParkReason | None,
     anchor_to_commit_s: float,
     verify_s: float,
+    refine_s: float = 0.0,
 ) -> SpeculationReport:
     """The request's speculation report (its ``meta_info``, metrics, server stats);
     ``verify_s``: the verify pass it was part of (0 without one)."""
@@ -120,4 +121,5 @@ def report(
         park_reason=None if park_reason is None else park_reason.value,
         anchor_to_commit_s=anchor_to_commit_s,
         verify_s=verify_s,
+        refine_s=refine_s,
     )

@@ -21,6 +21,7 @@ class SpeculationReport:
     park_reason: str | None
     anchor_to_commit_s: float  # first decode on the Anchor -> tokens committed
     verify_s: float  # the verify forward this request was part of
+    refine_s: float  # rewriting its prompt KV at full precision
 
 
 @dataclass
@@ -37,7 +38,9 @@ class SpeculationStats:
     rejections_near_tie: int = 0  # 0 < gap < NEAR_TIE_GAP: numerics more than Anchor error
     rejections_far: int = 0  # gap >= NEAR_TIE_GAP
     verify_passes: int = 0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # verify forwards
+    refine_seconds: float = 0.0  # prompt KV rewritten at full precision
+    commit_seconds: float = 0.0  # decisions, rollbacks, hand-backs
     failed: int = 0  # Residual never landed, or the request was aborted while speculative
     active: int = 0  # requests speculating or parked right now
 
