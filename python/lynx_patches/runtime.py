@@ -98,6 +98,13 @@ def _buffer_bytes(pool_rows: int, handshake: Handshake, requested: int) -> int:
     return math.ceil(pool_rows * (anchor + residual)) + (1 << 20)
 
 
+def _notify(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -> None:
+    try:
+        upstream.send_to_peer(manager, endpoint, frames)
+    except Exception as exc:  # a dead decode server: its requests fail on its side
+        logger.warning("Lynx: notice to %s:%s not sent: %s", *endpoint, exc)
+
+
 def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
     """Bind Lynx to ``manager`` (a ``LynxKVManager``) and its server's KV ``pool``."""
     if upstream.manager_is_mla(manager):
@@ -129,7 +136,7 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
                 low_chunk_bytes=settings.lane_chunk_bytes,
                 deadline_s=settings.transfer_deadline_s,
             ),
-            notify=lambda endpoint, frames: upstream.send_to_peer(manager, endpoint, frames),
+            notify=lambda endpoint, frames: _notify(manager, endpoint, frames),
             on_failure=lambda room, reason: upstream.fail_room(manager, room, f"Lynx: {reason}"),
             hold_s=(settings.anchor_hold_s, settings.residual_hold_s),
         )
