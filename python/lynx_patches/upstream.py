@@ -200,6 +200,19 @@ CONTRACT: tuple[Relied, ...] = (
             "output_streamer",
             "disagg_prefill_bootstrap_queue",
             "disagg_decode_prealloc_queue",
+            "enable_overlap",
+        )
+    ),
+    *(
+        _a("sglang.srt.server_args.ServerArgs", name)
+        for name in (
+            "disaggregation_mode",
+            "disaggregation_transfer_backend",
+            "disaggregation_decode_retraction_backup",
+            "disable_overlap_schedule",
+            "tp_size",
+            "host",
+            "enable_metrics",
         )
     ),
     Relied("sglang.srt.mem_cache.common", "release_kv_cache", "function"),
