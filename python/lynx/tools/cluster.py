@@ -45,6 +45,16 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+PORT_ATTEMPTS = 3
+
+
+def _port_was_taken(log: Path) -> bool:
+    try:
+        return "address already in use" in log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     """A currently free TCP port below the kernel's ephemeral range.
 
@@ -241,23 +251,36 @@ class SingleServer(_Group):
     ) -> None:
         super().__init__()
         self.config = config
-        self.port = free_port()
-        self.url = f"http://{config.host}:{self.port}"
-        self._argv = [*config.base_argv(self.port), *args]
+        self._args = list(args)
         self._env = server_env(
             cpu=config.cpu, threads=config.threads_per_server, extra={**config.env, **(env or {})}
         )
         self._log = log_dir / f"{name}.log"
         self.name = name
+        self._use_port(free_port())
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://{self.config.host}:{port}"
+        self._argv = [*self.config.base_argv(port), *self._args]
 
     def start(self, timeout_s: float = 600.0) -> SingleServer:
-        try:
-            proc = self.launch(ManagedProcess(self.name, self._argv, self._log, self._env))
-            _wait_until(lambda: _healthy(self.url), [proc], timeout_s, self.name)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        # A port free when handed out can be taken before the server binds it (by another
+        # server's Mooncake engine or SGLang's own internal ports): retry on a new one.
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                proc = self.launch(ManagedProcess(self.name, self._argv, self._log, self._env))
+                _wait_until(lambda: _healthy(self.url), [proc], timeout_s, self.name)
+                return self
+            except ClusterError:
+                self.stop()
+                if attempt + 1 == PORT_ATTEMPTS or not _port_was_taken(self._log):
+                    raise
+                self._use_port(free_port())
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def __enter__(self) -> SingleServer:
         return self.start()
