@@ -1,5 +1,6 @@
 """Real long texts and the model the accuracy benchmarks read (see ``--data`` there)."""
 
+import argparse
 from pathlib import Path
 
 MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
@@ -13,3 +14,12 @@ TEXTS = [
     f"{DOCS}/library/stdtypes.rst.txt",
     f"{PLAYS}/julius_caesar_gut.txt",
 ]
+
+
+def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line every real-model benchmark starts from: its docstring as help,
+    ``--model`` (an HF folder) and ``--data`` (the texts above)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=MODEL_DIR)
+    parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
+    return parser

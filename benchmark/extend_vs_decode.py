@@ -17,11 +17,10 @@ and writes JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from bench_texts import MODEL_DIR
+from bench_texts import benchmark_parser
 from pd_transfer import prompts_from
 from transformers import AutoTokenizer
 
@@ -31,11 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gen", type=int, default=16)

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench_texts import DOCS, MODEL_DIR, PLAYS
+from bench_texts import DOCS, PLAYS, benchmark_parser
 from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
@@ -245,11 +245,7 @@ def args_model_name(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--link", default="", help="tbf rate between prefill and decode, e.g. 20mbit")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--repeats", type=int, default=2)

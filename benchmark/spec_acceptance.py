@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_texts import MODEL_DIR
+from bench_texts import benchmark_parser
 from pd_transfer import TEXTS, Pair, agreement_of, prompts_from
 from transformers import AutoTokenizer
 
@@ -149,11 +149,7 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--tolerances", type=float, nargs="+", default=[0.0])
     parser.add_argument(

@@ -14,12 +14,11 @@ to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from bench_texts import MODEL_DIR
+from bench_texts import benchmark_parser
 from pd_transfer import Pair, prompts_from
 from transformers import AutoTokenizer
 
@@ -27,11 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--data", type=Path, default=Path("/tmp/lynxdata"))
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--cap", type=int, default=32)
     parser.add_argument("--after", type=int, default=24, help="tokens decoded after the verify pass")
