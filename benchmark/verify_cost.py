@@ -15,14 +15,23 @@ to ``--out``.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from bench_texts import benchmark_parser
 from pd_transfer import Pair, prompts_from
 from transformers import AutoTokenizer
 
+from lynx.tools.cluster import http_json
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+COUNTERS = ("held_tokens", "accepted_tokens", "rejections", "verify_seconds", "refine_seconds")
+
+
+def speculation_stats(pair: Pair) -> dict[str, float]:
+    info = http_json(pair.servers["decode"].url + "/server_info")
+    return info["internal_states"][0]["lynx_transfer"]["speculation"]
 
 
 def main() -> None:
@@ -55,21 +64,25 @@ def main() -> None:
         for context in args.contexts:
             (prompt,) = prompts_from(args.data, tokenizer, 1, context, skip=700)
             marks = list(range(2, args.cap + args.after + 1))
-            answer, times = pair.stream(prompt, marks)
-            report = answer["meta_info"]["lynx_transfer"][0].get("speculation") or {}
-            committed = 1 + report.get("accepted", 0) + int(bool(report.get("rejected")))
-            after = [times[n] - times[n - 1] for n in marks if n > committed + 1]
-            step_s = statistics.median(after)
+            # A streamed response carries the transfer report with its first chunk, before
+            # verification: read what this request's verify pass did off the server's counters.
+            before = speculation_stats(pair)
+            _, times = pair.stream(prompt, marks)
+            after = speculation_stats(pair)
+            delta = {key: after[key] - before[key] for key in COUNTERS}
+            committed = 1 + delta["accepted_tokens"] + delta["rejections"]
+            tail = [n for n in marks if n > committed + 1]
+            step_s = (times[tail[-1]] - times[tail[0]]) / (len(tail) - 1)
             rows.append(
                 {
                     "context": context,
-                    "held": report.get("held"),
-                    "accepted": report.get("accepted"),
-                    "refine_s": report.get("refine_s"),
-                    "verify_s": report.get("verify_s"),
+                    "held": delta["held_tokens"],
+                    "accepted": delta["accepted_tokens"],
+                    "refine_s": delta["refine_seconds"],
+                    "verify_s": delta["verify_seconds"],
                     "decode_step_s": step_s,
-                    "verify_in_steps": report.get("verify_s", 0.0) / step_s,
-                    "refine_in_steps": report.get("refine_s", 0.0) / step_s,
+                    "verify_in_steps": delta["verify_seconds"] / step_s,
+                    "refine_in_steps": delta["refine_seconds"] / step_s,
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
