@@ -10,7 +10,8 @@ accepted and rejected speculation. Servers, started once for the module:
 * ``P0``/``D0``: plain BF16 PD without Lynx (the reference);
 * ``PI``/``DI``: speculative, INT8 residual; ``DI`` retracts every few steps
   (``SGLANG_TEST_RETRACT``), which parks speculating requests;
-* ``PF``/``DF``: ``full`` mode, INT8 residual (the reference for ``DI``).
+* ``PF``/``DF``: ``full`` mode, INT8 residual (the reference for ``DI`` and ``DP``);
+* ``PP``/``DP``: speculative, INT8 residual, protected first and last tokens.
 
 Every decode server runs upstream's strict idle memory check and KV page invariants.
 """
@@ -52,6 +53,9 @@ SPEC = [
     str(HOLD_S),
 ]
 SPEC_EXACT = [*SPEC, "--lynx-residual", "exact"]
+# Protected tokens (key blocks of 16): a short prompt is covered whole, a long one keeps
+# its first 16 and last 32 tokens exact on the Anchor lane.
+SPEC_PROTECTED = [*SPEC, "--lynx-protect-first", "16", "--lynx-protect-last", "32"]
 FULL_INT8 = ["--lynx", "--lynx-anchor-bits", "2", "--lynx-transfer-deadline", str(DEADLINE_S)]
 DECODE_SPEC = ["--disable-overlap-schedule"]
 CHECKS = {"SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
@@ -83,6 +87,8 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
         "DI": decode_server(retracting, log_dir, "DI", [*SPEC, *DECODE_SPEC]),
         "PF": Prefill(config, log_dir, "PF", FULL_INT8),
         "DF": decode_server(config, log_dir, "DF", FULL_INT8),
+        "PP": Prefill(config, log_dir, "PP", SPEC_PROTECTED),
+        "DP": decode_server(config, log_dir, "DP", [*SPEC_PROTECTED, *DECODE_SPEC]),
     }
     with running(group):
         yield group
@@ -145,6 +151,22 @@ def test_speculative_equals_full_mode_under_batch_mixes(servers: dict, idle_kv: 
     print("park reasons:", parked)
     assert "memory" in parked  # upstream's retraction drill hit batches with speculating requests
     wait_for(lambda: idle(servers["DI"], idle_kv["DI"]), "idle")
+
+
+def test_protected_tokens_keep_the_output_of_full_mode(servers: dict) -> None:
+    """Protection changes what the draft decodes on, not what is committed: the refined KV
+    is the same INT8 reconstruction as ``full`` mode's, protected tokens included."""
+    for prompt in (PROMPTS[3], PROMPTS[1]):
+        protected = pd_generate(servers["PP"], servers["DP"], prompt, max_new_tokens=24)
+        full = pd_generate(servers["PF"], servers["DF"], prompt, max_new_tokens=24)
+        assert protected["output_ids"] == full["output_ids"], prompt[:40]
+        report = protected["meta_info"]["lynx_transfer"][0]
+        if prompt is PROMPTS[3]:  # ~500 tokens: most of it travels as Anchor + Residual
+            assert speculation(protected)["held"] > 0
+            assert report["residual_bytes"] > 0
+        else:  # covered whole: full precision with the Anchor, nothing to speculate on
+            assert report["residual_bytes"] == 0
+            assert "speculation" not in report
 
 
 def test_a_stop_among_held_tokens_finishes_only_after_verification(servers: dict) -> None:
