@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +49,6 @@ class LynxRuntime:
     receiver: ProgressiveReceiver | None = None  # decode
     decoder: SpeculativeDecoder | None = None  # decode, speculative mode
     metrics: LynxMetrics | None = None  # decode, --enable-metrics
-    buffer_bytes: int = field(default=0)
 
     def stats(self) -> dict[str, Any]:
         """``/server_info``'s ``lynx_transfer``: buffer use, requests in flight, bytes moved,
@@ -122,7 +121,7 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
     nbytes = _buffer_bytes(k[0].shape[0], handshake, settings.buffer_bytes)
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=k[0].device)
     page_size = upstream.manager_page_size(manager)
-    runtime = LynxRuntime(settings, handshake, page_size, buffer_bytes=nbytes)
+    runtime = LynxRuntime(settings, handshake, page_size)
     if upstream.manager_is_prefill(manager):
         engine, session_id = upstream.manager_transfer_engine(manager)
         runtime.sender = ProgressiveSender(
