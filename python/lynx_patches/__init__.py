@@ -21,6 +21,8 @@ its top; together they are every upstream symbol Lynx touches:
   of retraction.
 * :mod:`lynx_patches.scheduler` -- parked requests count as in flight (idle check, abort).
 * :mod:`lynx_patches.model_runner` -- the draft distributions of sampled held tokens.
+* :mod:`lynx_patches.torch_native_backend` -- a verify pass's held rows attend in one call
+  on the CPU attention backend.
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
 
@@ -43,6 +45,7 @@ from lynx_patches import (
     scheduler,
     server_args,
     sgl_kernel,
+    torch_native_backend,
 )
 from lynx_patches._hooks import is_cpu_engine
 
@@ -61,5 +64,6 @@ def register() -> None:
     schedule_batch.register()
     scheduler.register()
     model_runner.register()
+    torch_native_backend.register()
     if is_cpu_engine():
         disaggregation_mooncake_conn.register()
