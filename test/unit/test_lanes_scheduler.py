@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -406,6 +407,110 @@ def test_a_raising_callback_does_not_stop_the_driver(fake):
         assert lanes.wait(rid, Lane.HIGH, 5).state is StreamState.DONE
     assert lanes.close()
     assert calls == ["x", "y"]
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0, -1, 3601])
+def test_deadlines_are_finite_and_bounded(fake, seconds):
+    # An infinite deadline once overflowed the driver's wait and killed it silently.
+    with pytest.raises(ValueError, match="deadline_s"):
+        LaneConfig(deadline_s=seconds)
+    lanes, _ = make(fake)
+    with pytest.raises(ValueError, match="deadline_s"):
+        grant(lanes, "r", 0, 16, deadline_s=seconds)
+    grant(lanes, "ok", 0, 16, lanes=[Lane.HIGH], deadline_s=3600)
+    lanes.close()
+
+
+class PollRaises(FakeBackend):
+    """The engine's poll raises once, for the first batch it is asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raised = False
+
+    def poll(self, handle: object) -> BatchState:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("engine poll broke")
+        return super().poll(handle)
+
+
+def test_a_raising_poll_fails_that_write_and_the_driver_goes_on():
+    fake = PollRaises()
+    lanes, _ = make(fake)
+    grant(lanes, "a", 0, 64 * KIB, lanes=[Lane.HIGH])
+    lanes.submit("a", Lane.HIGH, [(SRC, DST, 16)], last=True)
+    status = lanes.wait("a", Lane.HIGH, 5)
+    assert status.state is StreamState.FAILED and "failed in the engine" in status.error
+    fake.drain()
+    grant(lanes, "b", 64 * KIB, 64 * KIB, lanes=[Lane.HIGH])
+    lanes.submit("b", Lane.HIGH, [(SRC, DST + 64 * KIB, 16)], last=True)
+    assert lanes.wait("b", Lane.HIGH, 5).state is StreamState.DONE
+    assert lanes.stats().driver_alive
+    assert lanes.close()
+
+
+def test_a_failed_driver_pass_fails_open_requests_and_the_driver_goes_on(fake, monkeypatch):
+    lanes, _ = make(fake)
+    grant(lanes, "a", 0, 64 * KIB)
+    lanes.submit("a", Lane.HIGH, [(SRC, DST, 16)], last=True)
+    (held,) = fake.wait_batches(1)  # in the engine when the pass breaks
+    real_plan = lanes._plan
+    broken = threading.Event()
+
+    def plan_once_broken(now):
+        if not broken.is_set():
+            broken.set()
+            raise RuntimeError("planning bug")
+        return real_plan(now)
+
+    monkeypatch.setattr(lanes, "_plan", plan_once_broken)
+    lanes.submit("a", Lane.LOW, [(SRC, DST + 32, 16)], last=True)
+    status = lanes.wait("a", Lane.LOW, 5)
+    assert status.state is StreamState.FAILED
+    assert status.error == "lanes driver error: RuntimeError: planning bug"
+    with pytest.raises(LaneError, match="writes still in the engine"):
+        lanes.release("a")  # the write in the engine is still tracked
+    fake.resolve(held)
+    deadline = time.monotonic() + 5
+    while True:  # the driver polls the resolved write on its next pass
+        try:
+            lanes.release("a")
+            break
+        except LaneError:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert lanes.stats().driver_errors == 1 and lanes.stats().driver_alive
+    fake.drain()
+    grant(lanes, "b", 0, 64 * KIB)
+    lanes.submit("b", Lane.HIGH, [(SRC, DST, 16)], last=True)
+    lanes.submit("b", Lane.LOW, [(SRC, DST + 32, 32 * KIB)], last=True)
+    assert lanes.wait("b", Lane.LOW, 5).state is StreamState.DONE  # LOW is not blocked
+    assert lanes.close()
+
+
+class DriverKilled(BaseException):
+    """Something no driver pass can survive."""
+
+
+def test_a_dead_driver_fails_open_requests_and_refuses_new_work(fake, monkeypatch):
+    lanes, settled = make(fake)
+    grant(lanes, "open", 0, 64 * KIB, lanes=[Lane.HIGH])
+
+    def die(now):
+        raise DriverKilled("gone")
+
+    monkeypatch.setattr(lanes, "_plan", die)
+    lanes.submit("open", Lane.HIGH, [(SRC, DST, 16)], last=True)
+    status = lanes.wait("open", Lane.HIGH, 5)
+    assert status.state is StreamState.FAILED
+    assert status.error == "lanes driver stopped (DriverKilled: gone)"
+    assert [s.request_id for s in settled] == ["open"]  # the callback still heard it
+    assert not lanes.stats().driver_alive
+    with pytest.raises(LaneError, match="driver stopped"):
+        grant(lanes, "new", 0, 16)
+    with pytest.raises(LaneError, match="driver stopped"):
+        lanes.submit("open", Lane.HIGH, [(SRC, DST, 16)], last=True)
 
 
 def test_unregister_source_refused_while_writes_pending(fake):

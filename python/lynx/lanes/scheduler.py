@@ -15,6 +15,12 @@ at most `poll_high_s` while HIGH writes are in flight, reset by any progress, cu
 any `submit`); with none in flight it sleeps until the next deadline or the next `submit`.
 It never calls the engine's sync APIs or batch wait, which spin a core.
 
+The driver survives its own failures: an exception in one pass fails every open request
+(what the pass left half done cannot be trusted; writes already in the engine are still
+polled to the end, so `release` stays truthful) and the driver goes on. If it stops
+anyway, every open request fails, `submit` and `register_destination` raise `LaneError`,
+and `SchedulerStats.driver_alive` says so, instead of transfers hanging silently.
+
 Units of work: a *stream* is one request's bytes on one lane (the Anchor stream, the
 Residual stream). It may be fed by several `submit` calls (one per prefill chunk, say) and
 is done once the call marked `last=True` has been made and every byte submitted has landed.
@@ -26,6 +32,7 @@ import enum
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -39,6 +46,15 @@ from lynx.lanes.stats import LaneRecorder, SchedulerStats
 
 log = logging.getLogger(__name__)
 _SUBMIT_RAISED = object()  # the handle of a chunk whose submit_write raised
+MAX_DEADLINE_S = 3600.0
+"""Longest per-request deadline: a transfer still open after an hour has a dead peer, and
+a finite bound keeps every wait the driver computes representable."""
+_DRIVER_ERROR_PAUSE_S = 0.05  # after a failed pass: a fault that repeats must not spin a core
+
+
+def check_deadline(seconds: float, what: str = "deadline_s") -> None:
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_DEADLINE_S):
+        raise ValueError(f"{what} must be in (0, {MAX_DEADLINE_S:g}] seconds, got {seconds}")
 
 
 class Lane(enum.IntEnum):
@@ -112,8 +128,7 @@ class LaneConfig:
             raise ValueError("low_chunk_s must be positive (or None for fixed chunks)")
         if not 0 < self.low_chunk_min_bytes <= self.low_chunk_max_bytes:
             raise ValueError("need 0 < low_chunk_min_bytes <= low_chunk_max_bytes")
-        if self.deadline_s <= 0:
-            raise ValueError("deadline_s must be positive")
+        check_deadline(self.deadline_s)
         if not 0 < self.poll_min_s <= self.poll_max_s:
             raise ValueError("need 0 < poll_min_s <= poll_max_s")
         if not 0 < self.poll_high_s <= self.poll_max_s:
@@ -220,6 +235,8 @@ class LaneScheduler:
         self._closing = False
         self._abandon = False
         self._driver_cpu_at_exit = 0.0
+        self._driver_errors = 0
+        self._driver_stopped: str | None = None  # why the driver thread ended
         self._driver = threading.Thread(target=self._run, name="lynx-lanes", daemon=True)
         self._driver.start()
 
@@ -262,11 +279,9 @@ class LaneScheduler:
         if not len(grants):
             raise AddressError(f"request {request_id!r}: no destination ranges granted")
         timeout = self._config.deadline_s if deadline_s is None else deadline_s
-        if timeout <= 0:
-            raise ValueError(f"request {request_id!r}: deadline_s must be positive")
+        check_deadline(timeout, f"request {request_id!r}: deadline_s")
         with self._lock:
-            if self._closing:
-                raise LaneError("scheduler is closed")
+            self._check_open()
             if request_id in self._requests:
                 raise LaneError(f"request {request_id!r} is already registered")
             peer_state = self._peers.setdefault(peer, _Peer(peer))
@@ -298,6 +313,7 @@ class LaneScheduler:
         except TypeError as e:
             raise AddressError(f"transfers must be (src, dst, length) triples: {e}") from None
         with self._lock:
+            self._check_open()
             stream = self._stream(request_id, lane)
             if stream.last_seen or stream.state in TERMINAL_STATES:
                 raise StreamClosedError(
@@ -362,7 +378,15 @@ class LaneScheduler:
         with self._lock:
             high, low = (self._recorders[lane].snapshot() for lane in Lane)
             polls = self._polls
-        return SchedulerStats(high=high, low=low, driver_cpu_s=self._driver_cpu(), polls=polls)
+            errors, stopped = self._driver_errors, self._driver_stopped
+        return SchedulerStats(
+            high=high,
+            low=low,
+            driver_cpu_s=self._driver_cpu(),
+            polls=polls,
+            driver_alive=stopped is None,
+            driver_errors=errors,
+        )
 
     def _driver_cpu(self) -> float:
         ident = self._driver.ident
@@ -400,6 +424,12 @@ class LaneScheduler:
         self.close()
 
     # ---- caller-side helpers (lock held) --------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise LaneError("scheduler is closed")
+        if self._driver_stopped is not None:
+            raise LaneError(f"lanes driver stopped ({self._driver_stopped}): no transfer can move")
 
     def _request(self, request_id: str) -> _Request:
         try:
@@ -473,49 +503,95 @@ class LaneScheduler:
     # ---- driver ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        why = "closed"
         try:
             self._drive()
+        except BaseException as exc:  # the thread ends here: reported below, not re-raised
+            why = f"{type(exc).__name__}: {exc}"
+            log.exception("lanes: driver stopped")
         finally:
             self._driver_cpu_at_exit = time.thread_time()
+            with self._lock:
+                self._driver_stopped = why
+                self._fail_unsettled(f"lanes driver stopped ({why})")
+                events, self._events = self._events, []
+            for status in events:
+                self._notify(status)
+
+    def _fail_unsettled(self, error: str) -> None:
+        now = time.monotonic()
+        for request in self._requests.values():
+            if not request.settled():
+                self._end_request(request, StreamState.FAILED, error, now)
 
     def _drive(self) -> None:
         in_engine: list[_Chunk] = []
         backoff = self._config.poll_min_s
         while True:
-            with self._lock:
-                now = time.monotonic()
-                self._expire(now)
-                plan, to_probe = self._plan(now)
-                events, self._events = self._events, []
-                stop = self._abandon or (self._closing and not in_engine)
-                if not (plan or to_probe or events or stop):
-                    if in_engine:
-                        high = any(chunk.stream.lane is Lane.HIGH for chunk in in_engine)
-                        self._wake.wait(min(backoff, self._config.poll_high_s) if high else backoff)
-                        backoff = min(2 * backoff, self._config.poll_max_s)
-                    else:
-                        self._wake.wait(self._until_next_deadline(now))
-            for status in events:
-                self._notify(status)
+            try:
+                stop, backoff = self._drive_once(in_engine, backoff)
+            except Exception as exc:
+                log.exception("lanes: driver pass failed; failing the requests it was moving")
+                with self._lock:
+                    self._driver_errors += 1
+                    self._recount_in_engine(in_engine)
+                    self._fail_unsettled(f"lanes driver error: {type(exc).__name__}: {exc}")
+                    self._wake.wait(_DRIVER_ERROR_PAUSE_S)
+                continue
             if stop:
                 return
-            for peer in to_probe:
-                threading.Thread(target=self._probe, args=(peer,), daemon=True).start()
-            for chunk in plan:
-                chunk.handle = self._submit(chunk)
-            in_engine.extend(plan)
-            resolved = []
-            pending = []
-            for chunk in in_engine:
-                state = self._poll(chunk)
-                (pending if state is BatchState.PENDING else resolved).append((chunk, state))
-            in_engine = [chunk for chunk, _ in pending]
-            if plan or resolved:
-                backoff = self._config.poll_min_s
-            with self._lock:
-                self._polls += len(pending) + len(resolved)
-                if resolved:
-                    self._apply(resolved, time.monotonic())
+
+    def _drive_once(self, in_engine: list[_Chunk], backoff: float) -> tuple[bool, float]:
+        """One pass: expire, plan, submit, poll, apply; returns (stop, next backoff).
+        ``in_engine`` (the chunks the engine holds) is updated in place, so a pass that
+        raises loses none of them."""
+        with self._lock:
+            now = time.monotonic()
+            self._expire(now)
+            plan, to_probe = self._plan(now)
+            events, self._events = self._events, []
+            stop = self._abandon or (self._closing and not in_engine)
+            if not (plan or to_probe or events or stop):
+                if in_engine:
+                    high = any(chunk.stream.lane is Lane.HIGH for chunk in in_engine)
+                    self._wake.wait(min(backoff, self._config.poll_high_s) if high else backoff)
+                    backoff = min(2 * backoff, self._config.poll_max_s)
+                else:
+                    self._wake.wait(self._until_next_deadline(now))
+        for status in events:
+            self._notify(status)
+        if stop:
+            return True, backoff
+        for peer in to_probe:
+            threading.Thread(target=self._probe, args=(peer,), daemon=True).start()
+        for chunk in plan:
+            chunk.handle = self._submit(chunk)
+        in_engine.extend(plan)
+        resolved = []
+        pending = []
+        for chunk in in_engine:
+            state = self._poll(chunk)
+            (pending if state is BatchState.PENDING else resolved).append((chunk, state))
+        in_engine[:] = [chunk for chunk, _ in pending]
+        if plan or resolved:
+            backoff = self._config.poll_min_s
+        with self._lock:
+            self._polls += len(pending) + len(resolved)
+            if resolved:
+                self._apply(resolved, time.monotonic())
+        return False, backoff
+
+    def _recount_in_engine(self, in_engine: list[_Chunk]) -> None:
+        """After a failed pass: the per-peer and per-request counts of writes in the
+        engine are what ``in_engine`` holds (a pass may have stopped between counting a
+        chunk and handing it over), so no peer's LOW lane stays blocked by a lost count."""
+        for peer in self._peers.values():
+            peer.in_engine = dict.fromkeys(Lane, 0)
+        for request in self._requests.values():
+            request.chunks_in_engine = 0
+        for chunk in in_engine:
+            chunk.stream.request.peer.in_engine[chunk.stream.lane] += 1
+            chunk.stream.request.chunks_in_engine += 1
 
     def _submit(self, chunk: _Chunk) -> object:
         try:
@@ -527,7 +603,11 @@ class LaneScheduler:
     def _poll(self, chunk: _Chunk) -> BatchState:
         if chunk.handle is _SUBMIT_RAISED:
             return BatchState.FAILED
-        return self._backend.poll(chunk.handle)
+        try:
+            return self._backend.poll(chunk.handle)
+        except Exception:
+            log.exception("lanes: polling a write to %s raised", chunk.stream.request.peer.session)
+            return BatchState.FAILED
 
     def _probe(self, peer: _Peer) -> None:
         """Helper thread: may block as long as the peer does not answer."""

@@ -52,6 +52,8 @@ class SchedulerStats:
     low: LaneStats
     driver_cpu_s: float  # CPU time of the driver thread (engine polling included)
     polls: int  # backend.poll calls
+    driver_alive: bool  # False once the driver thread ended (closed, or died): nothing moves
+    driver_errors: int  # driver passes that raised (each failed the open requests)
 
 
 class LaneRecorder:
