@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from lynx.codec import CodecConfig, CodecInputError
 from lynx.codec.format import KeyLayout
 from lynx.codec.format import Residual as ResidualMode
+from lynx.lanes.scheduler import MAX_DEADLINE_S
 from lynx.mode import Mode
 
 SETTINGS_ENV = "LYNX_SETTINGS"
@@ -58,6 +60,10 @@ class LynxSettings:
     protect_first: int = 0
     protect_last: int = 0
     max_speculative_tokens: int = 32
+    # Device memory the draft distributions of sampled held tokens may take together
+    # (one vocabulary-sized float32 row per token, outside SGLang's memory budget); a
+    # sampled request that would exceed it parks and waits for its Residual.
+    draft_memory_bytes: int = 256 << 20
     # Greedy verification accepts a held token whose full-precision log-probability is
     # within this gap of the best one (0: strict argmax, exact). Decode only, not paired.
     verify_tolerance: float = 0.0
@@ -96,18 +102,21 @@ class LynxSettings:
             )
         if self.lane_chunk_bytes < 4096:
             raise LynxSettingsError(f"--lynx-lane-chunk-bytes must be >= 4096, got {self.lane_chunk_bytes}")
+        if not (math.isfinite(self.transfer_deadline_s) and 0 < self.transfer_deadline_s <= MAX_DEADLINE_S):
+            raise LynxSettingsError(
+                f"--lynx-transfer-deadline must be in (0, {MAX_DEADLINE_S:g}] seconds, "
+                f"got {self.transfer_deadline_s}"
+            )
         for hold in ("anchor_hold_s", "residual_hold_s"):
             value = getattr(self, hold)
             if not 0 <= value < self.transfer_deadline_s:
                 raise LynxSettingsError(
                     f"{flag_of(hold)} must be >= 0 and below --lynx-transfer-deadline, got {value}"
                 )
+        if self.draft_memory_bytes < 0:
+            raise LynxSettingsError(f"--lynx-draft-memory-bytes must be >= 0, got {self.draft_memory_bytes}")
         if self.buffer_bytes < 0:
             raise LynxSettingsError(f"--lynx-buffer-bytes must be >= 0, got {self.buffer_bytes}")
-        if not self.transfer_deadline_s > 0:
-            raise LynxSettingsError(
-                f"--lynx-transfer-deadline must be > 0 seconds, got {self.transfer_deadline_s}"
-            )
 
     def codec_config(self) -> CodecConfig:
         return CodecConfig(**{field: getattr(self, field) for field in CODEC_FIELDS})
@@ -162,8 +171,19 @@ def check_server_compatibility(
     transfer_backend: str,
     disable_overlap_schedule: bool = False,
     tp_size: int = 1,
+    speculative_algorithm: str | None = None,
+    decode_radix_cache: bool = False,
+    kv_checksum: bool = False,
 ) -> None:
     """Refuse server settings Lynx cannot run under, with the flag to change."""
+    if kv_checksum:
+        # Upstream hashes prefill's KV and compares it with decode's; Lynx's decoded KV is
+        # the Anchor's (or INT8's) reconstruction, so the hashes could never match.
+        raise LynxSettingsError(
+            "--disaggregation-enable-kv-checksum compares prefill's KV with decode's bit for bit, "
+            "which Lynx's quantized transfer never reproduces; drop it: Lynx checks every "
+            "landed segment with its own checksum (docs/transfer.md)"
+        )
     if disaggregation_mode not in PD_MODES:
         raise LynxSettingsError(
             "--lynx needs a prefill/decode disaggregated server: pass "
@@ -175,6 +195,20 @@ def check_server_compatibility(
         # request is never quiescent where Lynx verifies and rolls back.
         raise LynxSettingsError(
             "--lynx-mode speculative needs --disable-overlap-schedule on the decode server"
+        )
+    if verifies_here and speculative_algorithm not in (None, "", "NONE"):
+        # Both would hold and verify tokens in the same decode loop, each rolling back KV
+        # the other one counts on.
+        raise LynxSettingsError(
+            f"--lynx-mode speculative cannot run with --speculative-algorithm {speculative_algorithm} "
+            "on the decode server: use one or the other"
+        )
+    if verifies_here and decode_radix_cache:
+        # The radix cache would share Anchor-precision KV with other requests (and move a
+        # request's row) before its Residual refined it.
+        raise LynxSettingsError(
+            "--lynx-mode speculative cannot run with --disaggregation-decode-enable-radix-cache "
+            "on the decode server: it would publish unverified Anchor-precision KV to other requests"
         )
     if verifies_here and tp_size > 1:
         # Each rank would see its Residual land in a different iteration and verify a

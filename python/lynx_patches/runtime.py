@@ -157,6 +157,7 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
                 page_size,
                 runtime.metrics,
                 tolerance=settings.verify_tolerance,
+                draft_memory_bytes=settings.draft_memory_bytes,
             )
     logger.info(
         "Lynx %s side ready: %s; %s buffer %.1f MiB",

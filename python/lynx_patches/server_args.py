@@ -51,6 +51,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
         "key-block multiple).",
     ),
     "max_speculative_tokens": (int, "Most tokens a request may hold back before its Residual lands."),
+    "draft_memory_bytes": (
+        settings.parse_size,
+        "Decode: device memory for the draft distributions of sampled held tokens, all requests "
+        "together (e.g. 256MiB); a sampled request that would exceed it waits for its Residual.",
+    ),
     "verify_tolerance": (
         float,
         "Greedy verification accepts a held token within this log-probability gap of the best "
@@ -139,6 +144,9 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
                 transfer_backend=args.disaggregation_transfer_backend,
                 disable_overlap_schedule=bool(getattr(args, "disable_overlap_schedule", False)),
                 tp_size=int(getattr(args, "tp_size", 1) or 1),
+                speculative_algorithm=getattr(args, "speculative_algorithm", None),
+                decode_radix_cache=bool(getattr(args, "disaggregation_decode_enable_radix_cache", False)),
+                kv_checksum=bool(getattr(args, "disaggregation_enable_kv_checksum", False)),
             )
     except LynxSettingsError as exc:
         raise SystemExit(f"sglang-lynx: error: {exc}") from None

@@ -64,6 +64,7 @@ from lynx.verify import (
     SpeculationStats,
     WindowEstimator,
     decide,
+    held_tokens_problem,
     kv_after_commit,
     report,
     speculation_window,
@@ -93,6 +94,10 @@ class Speculation:
     # Sampled requests: the distribution the next token is being drawn from (set by the
     # sampler hook, taken when the token is held).
     pending_probs: torch.Tensor | None = None
+    draft_bytes: int = 0  # what its held draft distributions take
+    # Upstream's reasoning-token count after t_0 (upstream.reasoning_state): a commit
+    # restores it and counts the committed tokens again.
+    reasoning: tuple[Any, ...] = ()
 
     @property
     def sampled(self) -> bool:
@@ -108,6 +113,7 @@ class SpeculativeDecoder:
         metrics: LynxMetrics | None,
         *,
         tolerance: float = 0.0,
+        draft_memory_bytes: int = 256 << 20,
     ) -> None:
         self.receiver = receiver
         # The acceptance rule's coin flips; seeded from the OS, like upstream's sampler.
@@ -115,6 +121,7 @@ class SpeculativeDecoder:
         self._generator.seed()
         self.max_tokens = max_tokens
         self.tolerance = tolerance
+        self.draft_memory_bytes = draft_memory_bytes
         self.page_size = page_size
         self.metrics = metrics
         self.stats = SpeculationStats()
@@ -175,6 +182,7 @@ class SpeculativeDecoder:
         )
         held = HeldTokens(window, draft_probs=None if sampling.greedy else [])
         spec = Speculation(room, slots, len(req.origin_input_ids), held, sampling, time.monotonic())
+        spec.reasoning = upstream.reasoning_state(req)
         self._specs[req.rid] = spec
         self._tracked[room] = req
         self.stats.active += 1
@@ -187,6 +195,9 @@ class SpeculativeDecoder:
             spec.held.park(ParkReason.UNVERIFIABLE)
             self.stats.waited += 1
             logger.debug("Lynx: request %s waits for its Residual: %s", req.rid, reason)
+        elif spec.sampled and self._draft_row_bytes(spec) > self.draft_memory_bytes - self.stats.draft_bytes:
+            spec.held.park(ParkReason.DRAFT_MEMORY)
+            self.stats.waited += 1
         else:
             self.stats.requests += 1
 
@@ -199,6 +210,23 @@ class SpeculativeDecoder:
             raise RuntimeError(f"request {req.rid}: its draft distribution was not kept")
         spec.held.hold(token, probs)
         spec.last_held_at = time.monotonic()
+        if probs is not None:
+            self._count_drafts(spec, probs.numel() * probs.element_size())
+            # The next token's distribution must fit too, or the request stops drafting.
+            if (
+                spec.held.state is SpecState.SPECULATIVE
+                and self.stats.draft_bytes + self._draft_row_bytes(spec) > self.draft_memory_bytes
+            ):
+                spec.held.park(ParkReason.DRAFT_MEMORY)
+
+    def _count_drafts(self, spec: Speculation, nbytes: int) -> None:
+        spec.draft_bytes += nbytes
+        self.stats.draft_bytes += nbytes
+        self.stats.draft_bytes_peak = max(self.stats.draft_bytes_peak, self.stats.draft_bytes)
+
+    @staticmethod
+    def _draft_row_bytes(spec: Speculation) -> int:
+        return spec.sampling.vocab_size * 4  # float32, as target_probs returns it
 
     def park(self, req: Any, reason: ParkReason) -> None:
         spec = self.speculation_of(req)
@@ -266,6 +294,7 @@ class SpeculativeDecoder:
         upstream.truncate_output(req, 1 + accepted)
         if correction is not None:
             upstream.append_output(req, correction)
+        upstream.recount_reasoning(scheduler, req, spec.reasoning, req.output_ids[1:])
         commit = kv_after_commit(
             spec.prompt_len, len(req.output_ids), upstream.kv_allocated_len(req), self.page_size
         )
@@ -314,32 +343,55 @@ class SpeculativeDecoder:
             refined.append(req)
             refine_s[id(req)] = time.monotonic() - started
             self.stats.refine_seconds += refine_s[id(req)]
-        drafted = [req for req in refined if len(req.output_ids) > 1]
+        # A request whose held tokens cannot be verified fails alone, before the forward
+        # they would break for every request in it.
+        checked = []
+        for req in refined:
+            spec = self._spec(req)
+            problem = (
+                "its held tokens are out of step with its output"
+                if list(req.output_ids[1:]) != spec.held.tokens
+                else held_tokens_problem(spec.held.tokens, spec.held.draft_probs, spec.sampling.vocab_size)
+            )
+            if problem is None:
+                checked.append(req)
+            else:
+                self._fail(scheduler, req, f"cannot verify its held tokens: {problem}")
+        drafted = [req for req in checked if len(req.output_ids) > 1]
         started = time.monotonic()
-        logits = (
-            upstream.run_verify_forward(scheduler, drafted, [self._spec(r).prompt_len for r in drafted])
-            if drafted
-            else []
-        )
+        try:
+            logits = (
+                upstream.run_verify_forward(scheduler, drafted, [self._spec(r).prompt_len for r in drafted])
+                if drafted
+                else []
+            )
+        except Exception as exc:  # a bug or a device fault: these requests fail, the server serves on
+            logger.exception("Lynx: the verify forward of %d requests failed", len(drafted))
+            checked = [req for req in checked if req not in drafted]
+            for req in drafted:
+                self._fail(scheduler, req, f"the verify forward failed: {exc}")
+            drafted, logits = [], []
         verify_s = time.monotonic() - started
         if drafted:
             self.stats.verify_passes += 1
             self.stats.verify_seconds += verify_s
         by_req = {id(req): rows for req, rows in zip(drafted, logits, strict=True)}
         commit_started = time.monotonic()
-        for req in refined:
+        for req in checked:
             spec = self._spec(req)
-            if list(req.output_ids[1:]) != spec.held.tokens:
-                raise RuntimeError(f"request {req.rid}: held tokens out of step with its output")
             rows = by_req.get(id(req))
-            decision = decide(
-                spec.held.tokens,
-                rows,
-                spec.sampling,
-                draft_probs=spec.held.draft_probs,
-                generator=self._generator,
-                tolerance=self.tolerance,
-            )
+            try:
+                decision = decide(
+                    spec.held.tokens,
+                    rows,
+                    spec.sampling,
+                    draft_probs=spec.held.draft_probs,
+                    generator=self._generator,
+                    tolerance=self.tolerance,
+                )
+            except ValueError as exc:  # e.g. non-finite verify logits: this request only
+                self._fail(scheduler, req, f"verifying its held tokens failed: {exc}")
+                continue
             if spec.last_held_at is not None:
                 self.window.observe_decoding(decision.held, spec.last_held_at - spec.admitted_at)
             park_reason = spec.held.park_reason
@@ -372,6 +424,10 @@ class SpeculativeDecoder:
         spec = self._specs.pop(req.rid, None) if req is not None else None
         if req is not None:
             self.stats.active -= 1
+        if spec is not None and spec.held.draft_probs is not None:
+            self.stats.draft_bytes -= spec.draft_bytes
+            spec.draft_bytes = 0
+            spec.held.draft_probs.clear()
         if drain and self.receiver.residual_verdict(room)[0] is Verdict.WAIT:
             self._draining.add(room)  # prefill still writes into its receive space
             return

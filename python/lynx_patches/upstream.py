@@ -135,6 +135,26 @@ CONTRACT: tuple[Relied, ...] = (
     _a(_REQ, "grammar"),
     _a(_REQ, "custom_logit_processor"),
     _a(_REQ, "return_hidden_states"),
+    _a(_REQ, "return_sampling_mask"),
+    _a(_REQ, "return_routed_experts"),
+    _a(_REQ, "return_indexer_topk"),
+    *(
+        _a(_REQ, name)
+        for name in (
+            "reasoning_tokens",
+            "_is_reasoning_over",
+            "_think_end_matcher",
+            "_think_end_match_len",
+            "_think_start_match_len",
+        )
+    ),
+    _a(_SCHEDULER, "batch_result_processor"),
+    _m(
+        "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor",
+        "_maybe_update_reasoning_tokens",
+        "req",
+        "next_token_id",
+    ),
     _a(_REQ, "to_finish"),
     _a(_REQ, "finished_reason"),
     _a(_REQ, "finished_len"),
@@ -213,6 +233,9 @@ CONTRACT: tuple[Relied, ...] = (
             "tp_size",
             "host",
             "enable_metrics",
+            "speculative_algorithm",
+            "disaggregation_decode_enable_radix_cache",
+            "disaggregation_enable_kv_checksum",
         )
     ),
     Relied("sglang.srt.mem_cache.common", "release_kv_cache", "function"),
@@ -229,6 +252,24 @@ CONTRACT: tuple[Relied, ...] = (
     _a(
         "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
         "scheduler",
+    ),
+    # The CPU attention backend's per-row decode attention, wrapped for verify passes.
+    _m(
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
+        "_run_sdpa_forward_decode",
+        "query",
+        "output",
+        "k_cache",
+        "v_cache",
+        "req_to_token",
+        "req_pool_indices",
+        "seq_lens",
+        "encoder_lens",
+        "scaling",
+        "enable_gqa",
+        "causal",
+        "is_cross_attn",
+        "sliding_window_size",
     ),
 )
 
@@ -418,7 +459,35 @@ def sampling_settings(req: Any, vocab: int) -> SamplingSettings:
         custom_logit_processor=getattr(req, "custom_logit_processor", None) is not None,
         hidden_states=bool(getattr(req, "return_hidden_states", False)),
         watermark=getattr(req, "watermark", None) is not None,
+        per_token_outputs=bool(
+            req.return_sampling_mask or req.return_routed_experts or req.return_indexer_topk
+        ),
     )
+
+
+# Upstream counts reasoning tokens as it appends each output token, in a small state
+# machine on the request (the end-of-thinking matcher); a rollback restores it and replays
+# the committed tokens, so usage counts exactly the tokens the client receives.
+_REASONING_FIELDS = (
+    "reasoning_tokens",
+    "_is_reasoning_over",
+    "_think_end_matcher",
+    "_think_end_match_len",
+    "_think_start_match_len",
+)
+
+
+def reasoning_state(req: Any) -> tuple[Any, ...]:
+    return tuple(getattr(req, name) for name in _REASONING_FIELDS)
+
+
+def recount_reasoning(scheduler: Any, req: Any, state: tuple[Any, ...], tokens: Sequence[int]) -> None:
+    """Restore the reasoning count to ``state`` and count ``tokens`` on top, as upstream
+    counts decoded tokens."""
+    for name, value in zip(_REASONING_FIELDS, state, strict=True):
+        setattr(req, name, value)
+    if tokens:
+        scheduler.batch_result_processor._maybe_update_reasoning_tokens(req, list(tokens))
 
 
 def set_request_info(req: Any, key: str, value: dict[str, Any]) -> None:

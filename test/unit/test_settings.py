@@ -119,3 +119,36 @@ def test_speculative_decode_needs_the_non_overlap_scheduler() -> None:
             disable_overlap_schedule=True,
             tp_size=2,
         )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
+        ({"decode_radix_cache": True}, "--disaggregation-decode-enable-radix-cache"),
+    ],
+)
+def test_speculative_decode_refuses_what_would_share_or_roll_back_its_kv(extra: dict, message: str) -> None:
+    spec = LynxSettings(mode="speculative")
+    common = dict(
+        disaggregation_mode="decode", transfer_backend="mooncake_tcp", disable_overlap_schedule=True
+    )
+    with pytest.raises(LynxSettingsError, match=message):
+        settings.check_server_compatibility(spec, **common, **extra)
+    # full mode never holds Anchor-precision KV in a running request
+    settings.check_server_compatibility(LynxSettings(), **common, **extra)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_upstream_kv_checksum_is_refused_naming_lynx_checksums(mode: str) -> None:
+    with pytest.raises(LynxSettingsError, match=r"--disaggregation-enable-kv-checksum.*own checksum"):
+        settings.check_server_compatibility(
+            LynxSettings(), disaggregation_mode=mode, transfer_backend="mooncake_tcp", kv_checksum=True
+        )
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, 3601.0])
+def test_transfer_deadline_is_finite_and_bounded(seconds: float) -> None:
+    with pytest.raises(LynxSettingsError, match=r"--lynx-transfer-deadline must be in \(0, 3600\]"):
+        LynxSettings(transfer_deadline_s=seconds)
+    assert LynxSettings(transfer_deadline_s=3600).transfer_deadline_s == 3600

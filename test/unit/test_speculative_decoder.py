@@ -60,6 +60,15 @@ class Req:
             logit_bias=None,
         )
         self.return_logprob = False
+        self.return_sampling_mask = False
+        self.return_routed_experts = False
+        self.return_indexer_topk = False
+        # upstream's reasoning-token state machine (counted by the batch result processor)
+        self.reasoning_tokens = 1  # t_0 was counted
+        self._is_reasoning_over = False
+        self._think_end_matcher = None
+        self._think_end_match_len = 0
+        self._think_start_match_len = 0
         self.grammar = None
         self.to_finish: str | None = None
         self.finished_reason: str | None = None
@@ -77,7 +86,20 @@ class Req:
         """What a decode step and the update_finish_state hook do for a speculating request."""
         self.output_ids.append(token)
         self.kv.kv_allocated_len += 1
+        ReasoningCounter._maybe_update_reasoning_tokens(self, token)
         decoder.hold(self, token)
+
+
+class ReasoningCounter:
+    """Upstream's counter, reduced: every token before the end-of-thinking token 0 counts."""
+
+    @staticmethod
+    def _maybe_update_reasoning_tokens(req: Req, next_token_id: int | list[int]) -> None:
+        for token in next_token_id if isinstance(next_token_id, list) else [next_token_id]:
+            if req._is_reasoning_over:
+                return
+            req.reasoning_tokens += 1
+            req._is_reasoning_over = token == 0
 
 
 class Batch:
@@ -94,18 +116,29 @@ class Scheduler:
         self.waiting_queue: list[Any] = []
         self.freed: list[tuple[int, int]] = []
         self.tree_cache = SimpleNamespace(free_kv_row=lambda kv, ranges: self.freed.extend(ranges))
+        self.batch_result_processor = ReasoningCounter()
 
 
 @pytest.fixture
 def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     answered: list[Any] = []
     verify_logits: list[torch.Tensor] = []
-    monkeypatch.setattr(upstream, "run_verify_forward", lambda scheduler, reqs, lens: list(verify_logits))
+    forwarded: list[list[str]] = []
+
+    def verify_forward(scheduler: Any, reqs: list[Any], lens: list[int]) -> list[torch.Tensor]:
+        forwarded.append([req.rid for req in reqs])
+        if verify_logits and isinstance(verify_logits[0], Exception):
+            raise verify_logits[0]
+        return list(verify_logits)
+
+    monkeypatch.setattr(upstream, "run_verify_forward", verify_forward)
     monkeypatch.setattr(upstream, "release_and_answer", lambda scheduler, req: answered.append(req))
     monkeypatch.setattr(upstream, "abort_with", lambda req, reason: setattr(req, "to_finish", reason))
     receiver = Receiver()
     decoder = SpeculativeDecoder(receiver, max_tokens=3, page_size=1, metrics=None)  # type: ignore[arg-type]
-    return SimpleNamespace(receiver=receiver, decoder=decoder, answered=answered, logits=verify_logits)
+    return SimpleNamespace(
+        receiver=receiver, decoder=decoder, answered=answered, logits=verify_logits, forwarded=forwarded
+    )
 
 
 def choosing(*tokens: int) -> torch.Tensor:
@@ -190,3 +223,83 @@ def test_sampled_requests_keep_their_draft_distributions(world: SimpleNamespace)
     spec.pending_probs = torch.full((VOCAB,), 1.0 / VOCAB)
     req.decode_one(world.decoder, 2)
     assert spec.held.tokens == [2] and spec.pending_probs is None
+
+
+def test_per_token_outputs_wait_for_the_residual(world: SimpleNamespace) -> None:
+    req = Req("a")
+    req.return_sampling_mask = True  # a held token's mask would come from the Anchor pass
+    admitted(world, req)
+    spec = world.decoder.speculation_of(req)
+    assert spec is not None and spec.held.park_reason is ParkReason.UNVERIFIABLE
+
+
+def test_usage_counts_only_committed_reasoning_tokens(world: SimpleNamespace) -> None:
+    req = Req("a")
+    scheduler = admitted(world, req)
+    for token in (1, 2, 0):  # the third held token would end the thinking
+        req.decode_one(world.decoder, token)
+    assert req.reasoning_tokens == 4 and req._is_reasoning_over
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    world.logits.append(choosing(1, 3, 0))  # the second held token is rejected, 3 committed
+    world.decoder.step(scheduler)
+    assert req.output_ids == [7, 1, 3]
+    assert req.reasoning_tokens == 3 and not req._is_reasoning_over  # t_0, 1 and 3
+
+
+def _two_held(world: SimpleNamespace, rid: str, room: int, tokens: tuple[int, ...]) -> Req:
+    req = Req(rid)
+    world.decoder.admit(req, room, torch.arange(PROMPT), VOCAB)
+    for token in tokens:
+        req.decode_one(world.decoder, token)
+    world.receiver.verdicts[room] = (Verdict.READY, None)
+    return req
+
+
+def test_a_bad_draft_fails_its_own_request_only(world: SimpleNamespace) -> None:
+    good = _two_held(world, "good", ROOM, (1, 2))
+    bad = _two_held(world, "bad", ROOM + 1, (1, VOCAB + 5))  # outside the vocabulary
+    scheduler = Scheduler([good, bad])
+    world.logits.append(choosing(1, 2))
+    world.decoder.step(scheduler)
+    assert world.forwarded == [["good"]]  # the bad request never reached the forward
+    assert bad.output_ids == [7] and bad.finished_reason is not None
+    assert "outside the vocabulary" in bad.finished_reason and world.answered == [bad]
+    assert good.output_ids == [7, 1, 2] and scheduler.waiting_queue == [good]
+    assert world.decoder.stats.failed == 1 and world.decoder.stats.active == 0
+
+
+def test_a_failed_verify_forward_fails_its_requests_and_not_the_server(world: SimpleNamespace) -> None:
+    req = _two_held(world, "a", ROOM, (1, 2))
+    scheduler = Scheduler([req])
+    world.logits.append(RuntimeError("device fault"))
+    world.decoder.step(scheduler)
+    assert req.output_ids == [7] and req.finished_reason == "Lynx: the verify forward failed: device fault"
+    assert world.answered == [req] and world.decoder.stats.active == 0
+    later = _two_held(world, "b", ROOM + 1, (1,))  # the decoder serves on
+    world.logits[:] = [choosing(1)]
+    world.decoder.step(Scheduler([later]))
+    assert later.output_ids == [7, 1]
+
+
+def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -> None:
+    row = VOCAB * 4
+    world.decoder.draft_memory_bytes = 3 * row  # room for three held sampled tokens in all
+    first, second = Req("s1", top_k=VOCAB), Req("s2", top_k=VOCAB)
+    world.decoder.admit(first, ROOM, torch.arange(PROMPT), VOCAB)
+    world.decoder.admit(second, ROOM + 1, torch.arange(PROMPT), VOCAB)
+    specs = [world.decoder.speculation_of(r) for r in (first, second)]
+    for req, spec in ((first, specs[0]), (first, specs[0]), (second, specs[1])):
+        assert spec is not None
+        spec.pending_probs = torch.full((VOCAB,), 1.0 / VOCAB)
+        req.decode_one(world.decoder, 1)
+    stats = world.decoder.stats
+    assert stats.draft_bytes == stats.draft_bytes_peak == 3 * row
+    assert specs[1] is not None and specs[1].held.park_reason is ParkReason.DRAFT_MEMORY
+    third = Req("s3", top_k=VOCAB)
+    world.decoder.admit(third, ROOM + 2, torch.arange(PROMPT), VOCAB)  # no room for its first draft
+    spec3 = world.decoder.speculation_of(third)
+    assert spec3 is not None and spec3.held.park_reason is ParkReason.DRAFT_MEMORY
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    world.logits.append(torch.zeros(2, VOCAB))  # uniform: the rule may accept or reject
+    world.decoder.step(Scheduler([first]))
+    assert stats.draft_bytes == row  # the first request's drafts were released with it

@@ -7,7 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from lynx.verify import ParkReason, SamplingSettings, decide, report, unverifiable_because
+from lynx.verify import (
+    ParkReason,
+    SamplingSettings,
+    decide,
+    held_tokens_problem,
+    report,
+    unverifiable_because,
+)
 
 VOCAB = 8
 GREEDY = SamplingSettings(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, vocab_size=VOCAB)
@@ -122,3 +129,21 @@ def test_strict_mode_breaks_exact_ties_as_argmax_does() -> None:
     tied = decide([6], logits, GREEDY)
     assert (tied.accepted, tied.correction, tied.rejection_gap) == (0, 1, 0.0)
     assert decide([6], logits, GREEDY, tolerance=1e-9).accepted == 1
+
+
+def test_held_tokens_problem_names_what_cannot_be_verified() -> None:
+    uniform = torch.full((4,), 0.25)
+    assert held_tokens_problem([1, 3], None, 4) is None
+    assert held_tokens_problem([1, 3], [uniform, uniform], 4) is None
+    assert "outside the vocabulary of 4" in str(held_tokens_problem([1, 4], None, 4))
+    assert "outside the vocabulary" in str(held_tokens_problem([-1], None, 4))
+    assert "2 held tokens" in str(held_tokens_problem([1, 3], [uniform], 4))
+    nan = torch.tensor([0.5, float("nan"), 0.25, 0.25])
+    assert "not finite" in str(held_tokens_problem([1], [nan], 4))
+    assert "no probability" in str(held_tokens_problem([1], [torch.tensor([1.0, 0.0, 0.0, 0.0])], 4))
+    assert "shape" in str(held_tokens_problem([1], [torch.full((5,), 0.2)], 4))
+
+
+def test_per_token_outputs_are_unverifiable() -> None:
+    settings = SamplingSettings(1.0, 1, 1.0, 0.0, 8, per_token_outputs=True)
+    assert "per-token outputs" in str(unverifiable_because(settings))

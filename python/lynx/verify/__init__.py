@@ -16,7 +16,7 @@ from lynx.verify.acceptance import (
     verify_greedy,
     verify_sampling,
 )
-from lynx.verify.decision import VerifyDecision, decide, report, unverifiable_because
+from lynx.verify.decision import VerifyDecision, decide, held_tokens_problem, report, unverifiable_because
 from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.sampling import SamplingSettings, filter_probs, target_probs
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
@@ -39,6 +39,7 @@ __all__ = [
     "decide",
     "filter_probs",
     "greedy_agreement",
+    "held_tokens_problem",
     "kv_after_commit",
     "log_prob_gaps",
     "report",

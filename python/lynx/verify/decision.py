@@ -33,8 +33,32 @@ def unverifiable_because(sampling: SamplingSettings) -> str | None:
         (s.custom_logit_processor, "a custom logit processor"),
         (s.hidden_states, "hidden states"),
         (s.watermark, "a watermark"),
+        (s.per_token_outputs, "per-token outputs (sampling mask, routed experts or indexer top-k)"),
     )
     return next((name for present, name in checks if present), None)
+
+
+def held_tokens_problem(
+    held: Sequence[int], draft_probs: Sequence[torch.Tensor] | None, vocab_size: int
+) -> str | None:
+    """Why ``held`` (and a sampled request's draft distributions) cannot go into a verify
+    pass, or None: a token outside the vocabulary would break the whole batch's forward,
+    a non-finite or token-less draft distribution the acceptance rule."""
+    bad = [t for t in held if not 0 <= t < vocab_size]
+    if bad:
+        return f"held token {bad[0]} is outside the vocabulary of {vocab_size}"
+    if draft_probs is None:
+        return None
+    if len(draft_probs) != len(held):
+        return f"{len(draft_probs)} draft distributions for {len(held)} held tokens"
+    for i, (token, q) in enumerate(zip(held, draft_probs, strict=True)):
+        if q.shape != (vocab_size,):
+            return f"draft distribution {i} has shape {tuple(q.shape)}, not ({vocab_size},)"
+        if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+            return f"draft distribution {i} is not finite and non-negative"
+        if not float(q[token]) > 0:
+            return f"held token {i} ({token}) has no probability under its own draft distribution"
+    return None
 
 
 @dataclass(frozen=True)

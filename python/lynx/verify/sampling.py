@@ -35,6 +35,9 @@ class SamplingSettings:
     custom_logit_processor: bool = False
     hidden_states: bool = False
     watermark: bool = False
+    # Per-token outputs upstream appends as it decodes (sampling masks, routed experts,
+    # indexer top-k): held tokens would carry the Anchor pass's, rejected ones too.
+    per_token_outputs: bool = False
 
     @property
     def greedy(self) -> bool:

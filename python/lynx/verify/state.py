@@ -51,6 +51,7 @@ class ParkReason(enum.Enum):
     CAP = "cap"  # --lynx-max-speculative-tokens held
     FINISH = "finish"  # a held token would finish the request (EOS, stop, max_new_tokens)
     MEMORY = "memory"  # the decode batch ran out of KV space: parked instead of retracted
+    DRAFT_MEMORY = "draft_memory"  # the draft distributions of sampled requests reached their budget
     UNVERIFIABLE = "unverifiable"  # sampling settings the verify pass cannot reproduce
 
 

@@ -41,8 +41,11 @@ class SpeculationStats:
     verify_seconds: float = 0.0  # verify forwards
     refine_seconds: float = 0.0  # prompt KV rewritten at full precision
     commit_seconds: float = 0.0  # decisions, rollbacks, hand-backs
-    failed: int = 0  # Residual never landed, or the request was aborted while speculative
+    failed: int = 0  # Residual never landed, the request was aborted while speculative, or its
+    # held tokens could not be verified (a bad draft fails its own request only)
     active: int = 0  # requests speculating or parked right now
+    draft_bytes: int = 0  # device memory held by draft distributions of sampled held tokens now
+    draft_bytes_peak: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
