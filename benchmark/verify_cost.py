@@ -6,14 +6,17 @@ One speculative prefill + decode pair (loopback) serves one streamed greedy requ
 tokens at full precision. From the response's speculation report: the refine time (prompt
 KV rewritten at full precision) and the verify forward (one decode row per held token);
 from the stream: the median time between tokens after verification, i.e. one decode step
-of this request at this context. Prints a table (verify cost in decode steps); writes JSON
-to ``--out``.
+of this request at this context. ``--verify-attention`` runs one pair per way the verify
+pass attends (side by side, same prompts) and says whether each one's output equals the
+``rows`` pair's (the decode path's numerics). Prints a table (verify cost in decode
+steps); writes JSON to ``--out``.
 
     PYTHONPATH=python .venv/bin/python benchmark/verify_cost.py --contexts 512 1024 2048
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -42,6 +45,7 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=30.0)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--verify-attention", nargs="+", default=["batched", "rows"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/verify_cost")
     args = parser.parse_args()
     args.link = ""
@@ -58,16 +62,45 @@ def main() -> None:
         "--lynx-transfer-deadline",
         str(4 * args.hold + 600),
     ]
+    prompts = {c: prompts_from(args.data, tokenizer, 1, c, skip=700)[0] for c in args.contexts}
     rows = []
-    with Pair("verify-cost", flags, args, args.out / "logs", ["--disable-overlap-schedule"]) as pair:
+    for attention in args.verify_attention:
+        rows += measure(args, [*flags, "--lynx-verify-attention", attention], attention, prompts)
+    outputs = {(r["attention"], r["context"]): r.pop("output_ids") for r in rows}
+    for r in rows:
+        own, reference = outputs[(r["attention"], r["context"])], outputs.get(("rows", r["context"]))
+        r["same_output_as_rows"] = None if reference is None else own == reference
+    print(f"\n{args.model.name}, held tokens up to {args.cap}, Residual held {args.hold} s")
+    print(
+        "| attention | context | held | accepted | refine (s) | verify forward (s) | decode step (s) "
+        "| verify in steps | refine in steps | output = rows |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['attention']} | {r['context']} | {r['held']} | {r['accepted']} | {r['refine_s']:.3f} "
+            f"| {r['verify_s']:.3f} | {r['decode_step_s']:.3f} | {r['verify_in_steps']:.1f} "
+            f"| {r['refine_in_steps']:.1f} | {r['same_output_as_rows']} |"
+        )
+    (args.out / "verify_cost.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
+    )
+    print(f"wrote {args.out}/verify_cost.json")
+
+
+def measure(
+    args: argparse.Namespace, flags: list[str], attention: str, prompts: dict[int, str]
+) -> list[dict]:
+    rows = []
+    log_dir = args.out / "logs" / attention
+    with Pair(f"verify-{attention}", flags, args, log_dir, ["--disable-overlap-schedule"]) as pair:
         pair.generate("warm up", 2)
-        for context in args.contexts:
-            (prompt,) = prompts_from(args.data, tokenizer, 1, context, skip=700)
+        for context, prompt in prompts.items():
             marks = list(range(2, args.cap + args.after + 1))
             # A streamed response carries the transfer report with its first chunk, before
             # verification: read what this request's verify pass did off the server's counters.
             before = speculation_stats(pair)
-            _, times = pair.stream(prompt, marks)
+            last, times = pair.stream(prompt, marks)
             after = speculation_stats(pair)
             delta = {key: after[key] - before[key] for key in COUNTERS}
             committed = 1 + delta["accepted_tokens"] + delta["rejections"]
@@ -75,6 +108,7 @@ def main() -> None:
             step_s = (times[tail[-1]] - times[tail[0]]) / (len(tail) - 1)
             rows.append(
                 {
+                    "attention": attention,
                     "context": context,
                     "held": delta["held_tokens"],
                     "accepted": delta["accepted_tokens"],
@@ -83,24 +117,11 @@ def main() -> None:
                     "decode_step_s": step_s,
                     "verify_in_steps": delta["verify_seconds"] / step_s,
                     "refine_in_steps": delta["refine_seconds"] / step_s,
+                    "output_ids": last["output_ids"],
                 }
             )
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{args.model.name}, held tokens up to {args.cap}, Residual held {args.hold} s")
-    print(
-        "| context | held | refine (s) | verify forward (s) | decode step (s) "
-        "| verify in steps | refine in steps |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['context']} | {r['held']} | {r['refine_s']:.3f} | {r['verify_s']:.3f} "
-            f"| {r['decode_step_s']:.3f} | {r['verify_in_steps']:.1f} | {r['refine_in_steps']:.1f} |"
-        )
-    (args.out / "verify_cost.json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
-    )
-    print(f"wrote {args.out}/verify_cost.json")
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "output_ids"}), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -67,6 +67,10 @@ class LynxSettings:
     # Greedy verification accepts a held token whose full-precision log-probability is
     # within this gap of the best one (0: strict argmax, exact). Decode only, not paired.
     verify_tolerance: float = 0.0
+    # How the verify pass attends on SGLang's CPU backend: "batched" (a request's held
+    # rows in one masked call, ~3 decode steps) or "rows" (one call per row, the decode
+    # path's exact numerics, ~k decode steps). Decode only, not paired.
+    verify_attention: str = "batched"
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
     buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once
@@ -94,6 +98,11 @@ class LynxSettings:
         if self.max_speculative_tokens < 1:
             raise LynxSettingsError(
                 f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"
+            )
+        if self.verify_attention not in VERIFY_ATTENTION:
+            raise LynxSettingsError(
+                f"--lynx-verify-attention must be one of {', '.join(VERIFY_ATTENTION)}, "
+                f"got {self.verify_attention!r}"
             )
         if not 0.0 <= self.verify_tolerance <= 1.0:
             raise LynxSettingsError(
@@ -143,6 +152,8 @@ def flag_of(field: str) -> str:
     """The launcher flag of a :class:`LynxSettings` field (``key_block`` -> ``--lynx-key-block``)."""
     return "--lynx-" + field.removesuffix("_s").replace("_", "-")
 
+
+VERIFY_ATTENTION = ("batched", "rows")
 
 _SIZE_UNITS = {
     "": 1,

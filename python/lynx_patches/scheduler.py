@@ -10,20 +10,26 @@ Hook targets (``sglang.srt.`` omitted):
   would stop polling for its Residual).
 * ``managers.scheduler.Scheduler.collect_inflight_reqs`` AFTER: parked requests are in
   flight, so an abort (and a weight-version change) reaches them.
+* ``managers.scheduler.Scheduler.pause_generation`` BEFORE: with ``mode="retract"``
+  upstream retracts every running and staged request and rebuilds its KV from prefill;
+  speculating and parked requests are rolled back to their committed tokens first
+  (:meth:`SpeculativeDecoder.roll_back_for_retraction`), so no held token is rebuilt as if
+  committed and no later refine writes into slots upstream freed.
 
-Contract: scheduler thread; read-only on Lynx's side; upstream's result unchanged
-without a speculative decoder.
+Contract: scheduler thread; the idle and in-flight hooks are read-only on Lynx's side;
+upstream's behaviour is unchanged without a speculative decoder.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lynx_patches import runtime
+from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 
 IS_FULLY_IDLE = "managers.scheduler.Scheduler.is_fully_idle"
 COLLECT_INFLIGHT_REQS = "managers.scheduler.Scheduler.collect_inflight_reqs"
+PAUSE_GENERATION = "managers.scheduler.Scheduler.pause_generation"
 
 
 def _not_idle_while_parked(result: bool, *_args: Any, **_kwargs: Any) -> bool:
@@ -38,6 +44,13 @@ def _with_parked(result: set[Any], *_args: Any, **_kwargs: Any) -> set[Any]:
     return result
 
 
+def _roll_back_before_retraction(scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+    decoder = runtime.speculative_decoder()
+    if decoder is not None and upstream.pause_retracts(recv_req):
+        decoder.roll_back_for_retraction(scheduler)
+
+
 def register() -> None:
     hook(IS_FULLY_IDLE, _not_idle_while_parked, "after")
     hook(COLLECT_INFLIGHT_REQS, _with_parked, "after")
+    hook(PAUSE_GENERATION, _roll_back_before_retraction, "before")

@@ -61,6 +61,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
         "Greedy verification accepts a held token within this log-probability gap of the best "
         "(0: strict argmax, exact; opt-in relaxation, see docs/speculative.md).",
     ),
+    "verify_attention": (
+        str,
+        "Decode, CPU attention backend: how the verify pass attends: batched (a request's held "
+        "rows in one call) or rows (one call per row, the decode path's numerics bit for bit).",
+    ),
     "lane_chunk_bytes": (settings.parse_size, "Residual chunk size on the low-priority lane (e.g. 1MiB)."),
     "transfer_deadline_s": (float, "Seconds a request's KV transfer may take before it fails."),
     "buffer_bytes": (

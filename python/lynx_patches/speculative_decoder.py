@@ -270,6 +270,25 @@ class SpeculativeDecoder:
         if ready:
             self._verify_and_commit(scheduler, ready)
 
+    def roll_back_for_retraction(self, scheduler: Any) -> None:
+        """Upstream is about to retract every running and staged request and rebuild its
+        KV from prefill (``pause_generation(mode="retract")``). Roll each speculating or
+        parked request back to its committed tokens (``t_0``) and end its speculation
+        first: its held tokens were never verified, and its receive space and prompt
+        slots must not be written after upstream freed them. Parked requests go back to
+        the waiting queue, which upstream retracts with the rest."""
+        for room, req in list(self._tracked.items()):
+            if req.finished():
+                continue
+            spec = self._spec(req)
+            self._commit(scheduler, req, 0, None)
+            spec.held.move(SpecState.FAILED)
+            parked = room in self._parked
+            self.stats.rolled_back += 1
+            self._end(room, drain=False)  # its receive space is quarantined until prefill releases it
+            if parked:
+                upstream.requeue(scheduler, req)
+
     def _take_out_parked(self, scheduler: Any) -> None:
         newly = [
             req

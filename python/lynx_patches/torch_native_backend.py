@@ -11,8 +11,8 @@ Hook target (``sglang.srt.`` omitted):
   A plain decode batch has one row per request: upstream computes all of it, unchanged.
 
 Contract: scheduler thread, inside a forward; writes only the output rows of the runs it
-computes. Without a speculative decoder, with cross-attention, encoder lengths or a
-sliding window, upstream computes the whole batch.
+computes. Without a speculative decoder, with ``--lynx-verify-attention rows``, with
+cross-attention, encoder lengths or a sliding window, upstream computes the whole batch.
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ def _held_rows_together(
             sliding_window_size=sliding_window_size,
         )
 
+    lynx = runtime.current()
     plain = (
-        runtime.speculative_decoder() is None
+        lynx is None
+        or lynx.decoder is None
+        or lynx.settings.verify_attention != "batched"
         or encoder_lens is not None
         or is_cross_attn
         or sliding_window_size is not None

@@ -149,6 +149,8 @@ CONTRACT: tuple[Relied, ...] = (
         )
     ),
     _a(_SCHEDULER, "batch_result_processor"),
+    _m(_SCHEDULER, "pause_generation", "recv_req"),
+    _a("sglang.srt.managers.io_struct.PauseGenerationReqInput", "mode"),
     _m(
         "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor",
         "_maybe_update_reasoning_tokens",
@@ -552,6 +554,11 @@ def remove_from_batches(scheduler: Any, reqs: Iterable[Any]) -> None:
         batch.filter_batch(keep_indices=[i for i, req in enumerate(batch.reqs) if id(req) not in ids])
     if any(id(req) in ids for req in scheduler.waiting_queue):
         scheduler.waiting_queue = [req for req in scheduler.waiting_queue if id(req) not in ids]
+
+
+def pause_retracts(recv_req: Any) -> bool:
+    """A ``pause_generation`` request that retracts running requests (not in place)."""
+    return recv_req.mode == "retract"
 
 
 def requeue(scheduler: Any, req: Any) -> None:

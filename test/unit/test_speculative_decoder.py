@@ -303,3 +303,24 @@ def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -
     world.logits.append(torch.zeros(2, VOCAB))  # uniform: the rule may accept or reject
     world.decoder.step(Scheduler([first]))
     assert stats.draft_bytes == row  # the first request's drafts were released with it
+
+
+def test_a_retracting_pause_rolls_speculation_back_first(world: SimpleNamespace) -> None:
+    running, parked = Req("running"), Req("parked")
+    world.decoder.admit(running, ROOM, torch.arange(PROMPT), VOCAB)
+    world.decoder.admit(parked, ROOM + 1, torch.arange(PROMPT), VOCAB)
+    running.decode_one(world.decoder, 1)
+    for token in (1, 2, 3):
+        parked.decode_one(world.decoder, token)
+    scheduler = Scheduler([running, parked])
+    world.decoder.step(scheduler)  # the capped one leaves the batch
+    assert scheduler.running_batch.reqs == [running]
+    world.decoder.roll_back_for_retraction(scheduler)
+    assert running.output_ids == parked.output_ids == [7]  # held tokens were never verified
+    assert running.kv.kv_allocated_len == parked.kv.kv_allocated_len == PROMPT
+    assert scheduler.waiting_queue == [parked]  # upstream retracts it with the running ones
+    assert world.receiver.forgotten == [ROOM, ROOM + 1] and world.decoder.stats.rolled_back == 2
+    assert world.decoder.stats.active == 0 and not world.decoder.holds_kv_outside_batches()
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    world.decoder.step(scheduler)  # a Residual landing later writes nothing
+    assert world.receiver.written == [] and running.reasoning_tokens == 1

@@ -44,6 +44,7 @@ class SpeculationStats:
     failed: int = 0  # Residual never landed, the request was aborted while speculative, or its
     # held tokens could not be verified (a bad draft fails its own request only)
     active: int = 0  # requests speculating or parked right now
+    rolled_back: int = 0  # rolled back to t_0 because upstream retracted them (pause_generation)
     draft_bytes: int = 0  # device memory held by draft distributions of sampled held tokens now
     draft_bytes_peak: int = 0
 
