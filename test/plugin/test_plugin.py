@@ -74,6 +74,33 @@ def probe(tiny_model: Path) -> dict:
         "bits_5": [*model, *pd, "--disaggregation-mode", "decode", "--lynx", "--lynx-anchor-bits", "5"],
         "option_without_lynx": [*model, *pd, "--disaggregation-mode", "decode", "--lynx-residual", "exact"],
         "speculative": [*model, *pd, "--disaggregation-mode", "decode", "--lynx", "--lynx-mode=speculative"],
+        "upstream_kv_checksum": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "prefill",
+            "--lynx",
+            "--disaggregation-enable-kv-checksum",
+        ],
+        "speculative_radix_cache": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "decode",
+            "--lynx",
+            "--lynx-mode=speculative",
+            "--disable-overlap-schedule",
+            "--disaggregation-decode-enable-radix-cache",
+        ],
+        "infinite_deadline": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "decode",
+            "--lynx",
+            "--lynx-transfer-deadline",
+            "inf",
+        ],
         "hold_past_deadline": [
             *model,
             *pd,
@@ -167,6 +194,9 @@ def test_cpu_engine_pd_defaults(probe: dict) -> None:
         ("decode_host_pool", "use cpu_tensor"),
         ("speculative", "--lynx-mode speculative needs --disable-overlap-schedule"),
         ("hold_past_deadline", "--lynx-residual-hold must be >= 0 and below --lynx-transfer-deadline"),
+        ("upstream_kv_checksum", "--disaggregation-enable-kv-checksum compares prefill's KV"),
+        ("speculative_radix_cache", "cannot run with --disaggregation-decode-enable-radix-cache"),
+        ("infinite_deadline", "--lynx-transfer-deadline must be in (0, 3600] seconds, got inf"),
     ],
 )
 def test_bad_combinations_are_refused(probe: dict, case: str, message: str) -> None:

@@ -1,0 +1,370 @@
+"""A chaos soak of speculative mode: real prefill, decode and router servers under load
+while prefill is killed and restarted, stalled past the transfer deadline, and forged
+Lynx notices arrive at decode.
+
+Clients (``--clients`` threads, for ``--duration`` seconds) send through the router a mix
+of greedy, greedy streamed, sampled and aborted requests over a fixed prompt set. Every
+greedy answer must equal the reference (plain BF16 PD, computed first on a separate pair:
+speculative mode with an exact Residual is exact); every other request must end, either
+with an answer or with an error the client can read. A forger sends notices to decode's
+notice endpoint the whole time: for random rooms, and for the live rooms of requests it
+sends itself (wrong nonce, wrong byte count, an early RELEASED). At the end decode's free
+KV tokens and Lynx's receive buffer must be back at their idle values, and both servers
+must still answer.
+
+    python -m lynx.tools.soak --model ~/.cache/lynx/models/tiny-llama-s0 --duration 180 --clients 64
+
+Prints the figures and writes them as JSON (``--out``); exits 1 if any output was wrong,
+any page leaked or any request hung.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lynx.tools.cluster import HOST, ClusterError, PDCluster, ServerConfig, http_json
+from lynx.transfer.protocol import Notice, NoticeKind, Stream
+
+MAX_NEW_TOKENS = 24
+DEADLINE_S = 6.0
+_WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
+    "boxing matches and a sphinx of black quartz hears every vow"
+).split()
+
+
+def prompts(n: int) -> list[str]:
+    """``n`` distinct prompts of 60..480 words, the same on every run."""
+    rng = random.Random(7)
+    return [f"{i}: " + " ".join(rng.choice(_WORDS) for _ in range(60 + 30 * i)) for i in range(n)]
+
+
+def lynx_args(hold_s: float) -> tuple[list[str], list[str]]:
+    common = [
+        "--lynx",
+        "--lynx-mode",
+        "speculative",
+        "--lynx-residual",
+        "exact",
+        "--lynx-anchor-bits",
+        "4",
+        "--lynx-transfer-deadline",
+        str(DEADLINE_S),
+    ]
+    return [*common, "--lynx-residual-hold", str(hold_s)], [*common, "--disable-overlap-schedule"]
+
+
+def body(prompt: str, sampled: bool = False, **extra: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+    params.update({"temperature": 0.8, "top_p": 0.9} if sampled else {"temperature": 0})
+    return {"text": prompt, "sampling_params": params, **extra}
+
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    counts: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def add(self, outcome: str, error: str | None = None) -> None:
+        with self.lock:
+            self.counts[outcome] += 1
+            if error is not None:
+                self.errors[error[:120]] += 1
+
+
+def _post(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    return http_json(url, payload, timeout=timeout)
+
+
+def _stream(url: str, payload: dict[str, Any], timeout: float, stop_after: int | None) -> list[int]:
+    request = urllib.request.Request(
+        url, data=json.dumps({**payload, "stream": True}).encode(), headers={"Content-Type": "application/json"}
+    )
+    output: list[int] = []
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for line in response:
+            text = line.decode().strip()
+            if not text.startswith("data:") or text == "data: [DONE]":
+                continue
+            chunk = json.loads(text.removeprefix("data:"))
+            if "error" in chunk:
+                raise RuntimeError(json.dumps(chunk["error"]))
+            output = chunk["output_ids"]
+            if stop_after is not None and len(output) >= stop_after:
+                break  # the client goes away: the server must abort the request
+    return output
+
+
+def one_request(kind: str, url: str, prompt: str, reference: list[int], tally: Tally, timeout: float) -> None:
+    try:
+        if kind == "greedy":
+            output = _post(url + "/generate", body(prompt), timeout)["output_ids"]
+        elif kind == "streamed":
+            output = _stream(url + "/generate", body(prompt), timeout, None)
+        elif kind == "sampled":
+            output = _post(url + "/generate", body(prompt, sampled=True), timeout)["output_ids"]
+            tally.add("sampled ok" if len(output) == MAX_NEW_TOKENS else "wrong")
+            return
+        else:  # aborted by the client after its first tokens
+            _stream(url + "/generate", body(prompt), timeout, stop_after=2)
+            tally.add("aborted by client")
+            return
+    except TimeoutError:
+        tally.add("hung", f"{kind}: no answer in {timeout:.0f} s")
+        return
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        tally.add("failed, clear error" if text.strip() else "failed, no message", text or str(exc))
+        return
+    except (urllib.error.URLError, OSError, RuntimeError) as exc:
+        if "timed out" in str(exc):
+            tally.add("hung", f"{kind}: {exc}")
+        else:
+            tally.add("failed, clear error", f"{type(exc).__name__}: {exc}")
+        return
+    tally.add("greedy equal" if output == reference else "wrong", None if output == reference else kind)
+
+
+def clients(url: str, refs: dict[str, list[int]], n: int, until: float, tally: Tally, timeout: float) -> None:
+    kinds = ("greedy", "greedy", "greedy", "streamed", "sampled", "sampled", "aborted", "greedy")
+    texts = list(refs)
+
+    def loop(i: int) -> None:
+        rng = random.Random(i)
+        while time.monotonic() < until:
+            prompt = rng.choice(texts)
+            one_request(kinds[i % len(kinds)], url, prompt, refs[prompt], tally, timeout)
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(loop, range(n)))
+
+
+class Forger:
+    """Sends forged Lynx notices to decode's notice endpoint: for random rooms, and for the
+    rooms of requests it sends itself (which must still answer correctly)."""
+
+    def __init__(self, endpoint: str, cluster: PDCluster, refs: dict[str, list[int]], tally: Tally) -> None:
+        import zmq  # a dependency of SGLang's, not of Lynx's core
+
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._cluster = cluster
+        self._refs = refs
+        self._tally = tally
+        self.sent = 0
+
+    def _send(self, notice: Notice) -> None:
+        self._socket.send_multipart(notice.to_frames())
+        self.sent += 1
+
+    def forge(self, room: int) -> None:
+        nonce = random.getrandbits(64)
+        self._send(Notice(NoticeKind.LANDED, room, nonce=nonce, stream=Stream.ANCHOR, nbytes=0))
+        self._send(Notice(NoticeKind.LANDED, room, nonce=nonce, stream=Stream.RESIDUAL, nbytes=1 << 40))
+        self._send(Notice(NoticeKind.RELEASED, room, nonce=nonce))
+
+    def run(self, until: float) -> None:
+        rng = random.Random(3)
+        prompts_ = list(self._refs)
+        while time.monotonic() < until:
+            self.forge(rng.getrandbits(62))
+            prompt = rng.choice(prompts_)
+            room = rng.getrandbits(62)
+            extra = {"bootstrap_host": HOST, "bootstrap_port": self._cluster.bootstrap_port, "bootstrap_room": room}
+            with ThreadPoolExecutor(2) as pool:
+                to_prefill = pool.submit(_quietly, self._cluster.prefill_url + "/generate", body(prompt, **extra))
+                answer = pool.submit(_post, self._cluster.decode_url + "/generate", body(prompt, **extra), 120)
+                for _ in range(5):  # while its transfer is in flight
+                    self.forge(room)
+                    time.sleep(0.05)
+                try:
+                    output = answer.result()["output_ids"]
+                    self._tally.add("forged-room equal" if output == self._refs[prompt] else "wrong", None)
+                except urllib.error.HTTPError as exc:
+                    self._tally.add("failed, clear error", exc.read().decode(errors="replace"))
+                except (urllib.error.URLError, OSError) as exc:
+                    self._tally.add("failed, clear error", f"{type(exc).__name__}: {exc}")
+                to_prefill.result()
+
+    def close(self) -> None:
+        self._socket.close()
+        self._ctx.term()
+
+
+def _quietly(url: str, payload: dict[str, Any]) -> None:
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        _post(url, payload, 120)
+
+
+def notice_endpoint(decode_log: Path) -> str:
+    match = re.search(r"Lynx decode side ready: .*notices on (tcp://\S+)", decode_log.read_text(errors="replace"))
+    if match is None:
+        raise ClusterError(f"no notice endpoint in {decode_log}")
+    return match.group(1)
+
+
+def decode_state(cluster: PDCluster) -> dict[str, Any]:
+    return http_json(cluster.decode_url + "/server_info")["internal_states"][0]
+
+
+def quiet_figures(cluster: PDCluster) -> tuple[int, int]:
+    """(free KV tokens, Lynx receive-buffer bytes in use) of decode."""
+    state = decode_state(cluster)
+    return state["lynx_kv_available_tokens"], state["lynx_transfer"]["buffer_used"]
+
+
+def wait_quiet(cluster: PDCluster, idle: tuple[int, int], timeout_s: float) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        figures = quiet_figures(cluster)
+        if figures == idle or time.monotonic() > deadline:
+            return figures
+        time.sleep(1.0)
+
+
+def restart_prefill(cluster: PDCluster) -> None:
+    """SIGKILL prefill (a crash), start it again on the same ports, wait until it answers."""
+    prefill = cluster.processes[0]
+    assert prefill.process is not None
+    with contextlib.suppress(ProcessLookupError):
+        import os
+
+        os.killpg(prefill.process.pid, signal.SIGKILL)
+    prefill.stop()
+    prefill.start()
+    deadline = time.monotonic() + 600
+    while True:
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            if urllib.request.urlopen(cluster.prefill_url + "/health", timeout=5).status == 200:
+                return
+        if time.monotonic() > deadline:
+            raise ClusterError("prefill did not come back")
+        time.sleep(1.0)
+
+
+def stall_prefill(cluster: PDCluster, seconds: float) -> None:
+    import os
+
+    prefill = cluster.processes[0]
+    assert prefill.process is not None
+    os.killpg(prefill.process.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.killpg(prefill.process.pid, signal.SIGCONT)
+
+
+def chaos(cluster: PDCluster, start: float, duration: float, log: Callable[[str], None]) -> None:
+    plan: list[tuple[float, str, Callable[[], None]]] = [
+        (0.15, "prefill killed and restarted", lambda: restart_prefill(cluster)),
+        (0.45, f"prefill stalled {DEADLINE_S + 3:.0f} s", lambda: stall_prefill(cluster, DEADLINE_S + 3)),
+        (0.70, "prefill killed and restarted", lambda: restart_prefill(cluster)),
+    ]
+    for at, what, act in plan:
+        time.sleep(max(0.0, start + at * duration - time.monotonic()))
+        act()
+        log(f"{time.monotonic() - start:6.1f} s  {what}")
+
+
+@contextlib.contextmanager
+def cluster_of(config: ServerConfig, log_dir: Path, prefill: list[str], decode: list[str]) -> Iterator[PDCluster]:
+    with PDCluster(config, log_dir, prefill_args=prefill, decode_args=decode) as cluster:
+        yield cluster
+
+
+def references(config: ServerConfig, log_dir: Path, texts: list[str]) -> dict[str, list[int]]:
+    with cluster_of(config, log_dir / "reference", [], []) as plain, ThreadPoolExecutor(4) as pool:
+        answers = pool.map(lambda t: _post(plain.url + "/generate", body(t), 300)["output_ids"], texts)
+        return dict(zip(texts, answers, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--duration", type=float, default=180.0)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--residual-hold", type=float, default=0.4, help="s: keeps requests speculating")
+    parser.add_argument("--out", type=Path, default=Path("benchmark/results/soak"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = ServerConfig(
+        model_path=args.model,
+        max_total_tokens=16384,
+        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"},
+    )
+    texts = prompts(args.prompts)
+    print(f"reference outputs (plain BF16 PD) for {len(texts)} prompts ...", flush=True)
+    refs = references(config, args.out / "logs", texts)
+    prefill_args, decode_args = lynx_args(args.residual_hold)
+    tally = Tally()
+    events: list[str] = []
+    with cluster_of(config, args.out / "logs" / "lynx", prefill_args, decode_args) as cluster:
+        idle = quiet_figures(cluster)
+        forger = Forger(notice_endpoint(cluster.log_paths[1]), cluster, refs, tally)
+        start = time.monotonic()
+        until = start + args.duration
+        timeout = 4 * DEADLINE_S + 120
+        threads = [
+            threading.Thread(target=chaos, args=(cluster, start, args.duration, events.append)),
+            threading.Thread(target=forger.run, args=(until,)),
+        ]
+        for t in threads:
+            t.start()
+        clients(cluster.url, refs, args.clients, until, tally, timeout)
+        for t in threads:
+            t.join()
+        forger.close()
+        final = wait_quiet(cluster, idle, timeout_s=120)
+        serves = {
+            name: _post(url + "/generate", body(texts[0], **extra), 300)["output_ids"] == refs[texts[0]]
+            for name, url, extra in (("router", cluster.url, {}),)
+        }
+        stats = decode_state(cluster)["lynx_transfer"]
+    figures = {
+        "requests": sum(tally.counts.values()),
+        **dict(tally.counts),
+        "wrong outputs": tally.counts.get("wrong", 0),
+        "hung": tally.counts.get("hung", 0),
+        "leaked KV tokens": idle[0] - final[0],
+        "leaked receive-buffer bytes": final[1] - idle[1],
+        "forged notices sent": forger.sent,
+        "notices dropped by decode": stats.get("notices_dropped"),
+        "both servers serve after": all(serves.values()),
+        "chaos": events,
+        "errors seen": dict(tally.errors.most_common(12)),
+    }
+    width = max(len(k) for k in figures)
+    for key, value in figures.items():
+        print(f"{key:<{width}}  {value}")
+    (args.out / "soak.json").write_text(json.dumps(figures, indent=1))
+    ok = (
+        figures["wrong outputs"] == 0
+        and figures["hung"] == 0
+        and figures["leaked KV tokens"] == 0
+        and figures["leaked receive-buffer bytes"] == 0
+        and figures["both servers serve after"]
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
