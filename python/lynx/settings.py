@@ -57,6 +57,10 @@ class LynxSettings:
     # Anchor (attention sinks, the recent window). Paired: part of the handshake.
     protect_first: int = 0
     protect_last: int = 0
+    # Prefill checksums each segment it sends, decode checks them before decoding (see
+    # lynx.transfer.protocol). Off by default: it adds about 6% to encode time on the CPU
+    # (docs/transfer.md, "Integrity of what landed"). Paired: part of the handshake.
+    checksums: bool = False
     max_speculative_tokens: int = 32
     # Greedy verification accepts a held token whose full-precision log-probability is
     # within this gap of the best one (0: strict argmax, exact). Decode only, not paired.
@@ -85,6 +89,8 @@ class LynxSettings:
                 raise LynxSettingsError(
                     f"{flag_of(protect)} must be a token count in 0..{_MAX_PROTECTED}, got {value}"
                 )
+        if not isinstance(self.checksums, bool):
+            raise LynxSettingsError(f"{flag_of('checksums')} must be true or false, got {self.checksums!r}")
         if self.max_speculative_tokens < 1:
             raise LynxSettingsError(
                 f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"
