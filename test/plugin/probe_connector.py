@@ -22,7 +22,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from lynx.codec import CodecConfig, KVLayout
 from lynx.lanes import BatchState, LaneConfig, Transfer
-from lynx.transfer import Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Upstream
+from lynx.transfer import Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Upstream, Verdict
 from lynx_patches.mooncake_connector import LynxKVReceiver, LynxKVSender
 
 ROOM = 4242
@@ -79,7 +79,7 @@ def duplicate_room() -> dict:
     return {
         "polled_failed": polled == KVPoll.Failed,
         "reason": raised,
-        "first_kept": receiver.knows(ROOM) and receiver.verdict(ROOM, Upstream.PENDING)[1] is None,
+        "first_kept": receiver.verdict(ROOM, Upstream.PENDING) == (Verdict.WAIT, None),
         "first_offer_kept": first is not None and receiver.reserve(ROOM) == first,
         "room_status_kept": manager.request_status == {ROOM: KVPoll.WaitingForInput},
         "failure_records": manager.failure_records,

@@ -706,7 +706,7 @@ def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) ->
     assert pair.receiver.reserve(2) is None  # polled again: still no space
     stats = pair.receiver.stats()
     assert (stats.rooms, stats.waiting_for_space, stats.buffer_used) == (2, 1, one)
-    assert pair.receiver.knows(2)
+    assert pair.receiver.report(2) is not None
     assert pair.receiver.verdict(2, Upstream.PENDING) == (Verdict.WAIT, None)
 
     pair.send(1, offer, pair.pages(seed=9), [600])
@@ -723,7 +723,7 @@ def test_a_request_larger_than_the_receive_buffer_fails_at_once(pairs: Callable[
     pair = pairs(recv_bytes=one // 2)
     with pytest.raises(ReceiveCapacityError, match="--lynx-buffer-bytes"):
         pair.receiver.register(1, N_TOKENS, peer=PREFILL_ADDR)
-    assert not pair.receiver.knows(1)
+    assert pair.receiver.report(1) is None
     assert pair.receiver.stats().rooms == 0
 
 
@@ -739,7 +739,7 @@ def test_decode_needs_one_slot_per_token(pairs: Callable[..., Pair]) -> None:
 def test_verdict_of_an_unknown_room_fails(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
     assert pair.receiver.verdict(404, Upstream.SUCCESS) == (Verdict.FAIL, "no Lynx state for room 404")
-    assert not pair.receiver.knows(404)
+    assert pair.receiver.report(404) is None
 
 
 def test_unreadable_notices_and_unknown_rooms_are_dropped_and_counted(pairs: Callable[..., Pair]) -> None:

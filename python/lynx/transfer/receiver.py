@@ -201,10 +201,6 @@ class ProgressiveReceiver:
         self.on_notice(frames)
         return True
 
-    def knows(self, room: int) -> bool:
-        with self._lock:
-            return room in self._rooms
-
     def on_notice(self, frames: list[bytes]) -> None:
         try:
             notice = Notice.from_frames(frames)
