@@ -233,7 +233,7 @@ class ProgressiveSender:
                 else:
                     answer = reason
                     notice = Notice(NoticeKind.REJECT, room, offer.nonce, text=reason)
-        if isinstance(answer, str):
+        if isinstance(answer, str) and held.offer_bytes is not None:  # no offer: the glue says why
             log.error("Lynx: refusing room %s: %s", room, answer)
         with self._lock:
             self._answers[room] = answer if isinstance(answer, str) else (held.session, held.endpoint, answer)
