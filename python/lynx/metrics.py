@@ -36,6 +36,11 @@ class LynxMetrics:
             "lynx_residual_latency_seconds", "Receive space offered -> Residual landed", _LATENCY_BUCKETS
         )
         self.failures = Counter("lynx_transfer_failures", "Requests whose Lynx transfer failed", names)
+        self.dropped = Counter(
+            "lynx_dropped_notices",
+            "Prefill notices dropped: malformed, or for no live reservation (room and nonce)",
+            [*names, "reason"],
+        )
         self.held = Counter("lynx_held_tokens", "Tokens decoded on Anchor KV and held back", names)
         self.accepted = Counter("lynx_accepted_tokens", "Held tokens committed after verification", names)
         self.verify_latency = histogram(
@@ -65,3 +70,6 @@ class LynxMetrics:
 
     def failed(self) -> None:
         self.failures.labels(**self._labels).inc()
+
+    def dropped_notice(self, reason: str) -> None:
+        self.dropped.labels(**self._labels, reason=reason).inc()

@@ -59,6 +59,10 @@ class LynxSettings:
     # Anchor (attention sinks, the recent window). Paired: part of the handshake.
     protect_first: int = 0
     protect_last: int = 0
+    # Prefill checksums each segment it sends, decode checks them before decoding (see
+    # lynx.transfer.protocol). Off by default: it adds about 6% to encode time on the CPU
+    # (docs/transfer.md, "Integrity of what landed"). Paired: part of the handshake.
+    checksums: bool = False
     max_speculative_tokens: int = 32
     # Device memory the draft distributions of sampled held tokens may take together
     # (one vocabulary-sized float32 row per token, outside SGLang's memory budget); a
@@ -95,6 +99,8 @@ class LynxSettings:
                 raise LynxSettingsError(
                     f"{flag_of(protect)} must be a token count in 0..{_MAX_PROTECTED}, got {value}"
                 )
+        if not isinstance(self.checksums, bool):
+            raise LynxSettingsError(f"{flag_of('checksums')} must be true or false, got {self.checksums!r}")
         if self.max_speculative_tokens < 1:
             raise LynxSettingsError(
                 f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"

@@ -21,10 +21,13 @@ bootstrap/status thread; every other method on the scheduler thread.
   ``add_transfer_request`` (prefill: encode and send instead of the page copy),
   ``build_receiver_metadata_message`` (decode: append the offer),
   ``_handle_abort_notification`` (prefill: stop the request's lanes), ``teardown``.
-* ``mooncake.conn.MooncakeKVSender``: ``poll`` (hold ``Success`` while chunks wait for
-  send space: their KV pages must stay), ``clear``.
-* ``mooncake.conn.MooncakeKVReceiver``: ``send_metadata`` (reserve receive space first;
-  wait if there is none), ``poll`` (the Lynx gate, then decode), ``abort``, ``clear``.
+* ``mooncake.conn.MooncakeKVSender``: ``__init__`` and ``init`` (the request of the room
+  exists, then its length is known: only then is decode's offer answered), ``poll`` (hold
+  ``Success`` while chunks wait for send space: their KV pages must stay), ``clear``.
+* ``mooncake.conn.MooncakeKVReceiver``: ``send_metadata`` (take the room, reserve receive
+  space first; wait if there is none), ``poll`` (the Lynx gate, then decode), ``abort``,
+  ``clear``, ``failure_exception`` (a request refused for a room another request holds
+  fails alone, with Lynx's reason).
 
 What upstream pieces Lynx could not reuse: the transfer worker's page copy (it writes
 raw pages into decode's KV pool, which a Lynx request must not see before it is decoded,
@@ -45,7 +48,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVReceiver, MooncakeKVSender
 
 from lynx import settings
-from lynx.transfer import ReceiveCapacityError, RoomReport, Verdict, page_slots
+from lynx.transfer import DuplicateRoomError, ReceiveCapacityError, RoomReport, Verdict, page_slots
 from lynx.transfer.protocol import split_offer
 from lynx_patches import upstream
 from lynx_patches.runtime import LynxConfigError, LynxRuntime
@@ -104,7 +107,7 @@ class LynxKVManager(MooncakeKVManager):
                 "Lynx: room %s arrived before this prefill server's Lynx sender was ready", meta.room
             )
             return
-        sender.answer_offer(meta.room, offer, meta.endpoint, meta.session)
+        sender.take_offer(meta.room, offer, meta.endpoint, meta.session)
 
     def _handle_abort_notification(self, msg: list[bytes]) -> bool:
         room = upstream.aborted_room(msg)
@@ -176,6 +179,18 @@ class LynxKVManager(MooncakeKVManager):
 class LynxKVSender(MooncakeKVSender):
     kv_mgr: LynxKVManager
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        lynx = self.kv_mgr.lynx
+        if lynx is not None and lynx.sender is not None:
+            lynx.sender.open_room(self.bootstrap_room)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        super().init(num_kv_indices, aux_index)
+        lynx = self.kv_mgr.lynx
+        if lynx is not None and lynx.sender is not None:  # decode's slots: whole pages, as here
+            lynx.sender.size_room(self.bootstrap_room, num_kv_indices * lynx.page_size)
+
     def poll(self) -> int:
         status = super().poll()
         lynx = self.kv_mgr.lynx
@@ -191,7 +206,7 @@ class LynxKVSender(MooncakeKVSender):
         if lynx is not None and lynx.sender is not None:
             if upstream.room_failed(self.kv_mgr, room):
                 lynx.sender.abort(room, "the request failed on the prefill server")
-            lynx.sender.forget_offer(room)
+            lynx.sender.close_room(room)
         super().clear()
 
 
@@ -199,6 +214,8 @@ class LynxKVReceiver(MooncakeKVReceiver):
     kv_mgr: LynxKVManager
     lynx_slots: torch.Tensor | None = None  # the request's KV slots, in token order
     _lynx_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    _lynx_registered = False  # the receiver holds the room's Lynx state
+    _lynx_refused: str | None = None  # why this request failed alone (its room is another's)
     _lynx_written = False
     # Speculative mode: its Anchor is in the KV, the Residual still in flight; the room
     # outlives this receiver (the SpeculativeDecoder takes it over at commit).
@@ -217,20 +234,27 @@ class LynxKVReceiver(MooncakeKVReceiver):
             self._lynx_fail("this model carries extra state (mamba/SWA) Lynx does not receive")
             return
         self.lynx_slots = page_slots(np.asarray(kv_indices), self._lynx.page_size)
+        receiver = self._lynx.receiver
+        assert receiver is not None
+        try:
+            receiver.register(self.bootstrap_room, self.lynx_slots.numel(), peer=self.bootstrap_addr)
+        except DuplicateRoomError as exc:  # the room's state is the other request's: touch none of it
+            logger.error("Lynx: %s", exc)
+            self._lynx_refused = f"Lynx: {exc}"
+            upstream.fail_receiver_alone(self)
+            return
+        except ReceiveCapacityError as exc:
+            self._lynx_fail(str(exc))
+            return
+        self._lynx_registered = True
         self._lynx_call = ((kv_indices, *args), kwargs)
         self._lynx_publish()
 
     def _lynx_publish(self) -> bool:
         """Reserve receive space and send the metadata; False while there is none."""
         receiver = self._lynx.receiver
-        assert receiver is not None and self._lynx_call is not None and self.lynx_slots is not None
-        try:
-            offer = receiver.reserve(self.bootstrap_room, self.lynx_slots.numel(), peer=self.bootstrap_addr)
-        except ReceiveCapacityError as exc:
-            self._lynx_call = None
-            self._lynx_fail(str(exc))
-            return True
-        if offer is None:
+        assert receiver is not None and self._lynx_call is not None
+        if receiver.reserve(self.bootstrap_room) is None:
             return False
         args, kwargs = self._lynx_call
         self._lynx_call = None
@@ -249,7 +273,7 @@ class LynxKVReceiver(MooncakeKVReceiver):
         receiver = lynx.receiver
         assert receiver is not None
         room = self.bootstrap_room
-        if self._lynx_written or not receiver.knows(room):
+        if self._lynx_written or not self._lynx_registered:
             return status
         verdict, reason = receiver.verdict(room, upstream.upstream_status(status))
         if verdict is Verdict.WAIT:
@@ -261,7 +285,7 @@ class LynxKVReceiver(MooncakeKVReceiver):
                 self.ensure_abort_notified()
             if lynx.metrics is not None:
                 lynx.metrics.failed()
-            receiver.forget(room)
+            self._lynx_release()
             return KVPoll.Failed
         assert self.lynx_slots is not None
         try:
@@ -270,13 +294,13 @@ class LynxKVReceiver(MooncakeKVReceiver):
             logger.exception("Lynx: room %s: writing its KV failed", room)
             self._lynx_fail(f"decoding the received KV failed: {exc}")
             self.ensure_abort_notified()
-            receiver.forget(room)
+            self._lynx_release()
             return KVPoll.Failed
         self._lynx_written = True
         if not full and receiver.mode.verifies:
             self.lynx_speculating = True
             return status
-        self.lynx_report = receiver.forget(room)
+        self.lynx_report = self._lynx_release()
         if self.lynx_report is not None and lynx.metrics is not None:
             lynx.metrics.observe(self.lynx_report)
         return status
@@ -284,6 +308,11 @@ class LynxKVReceiver(MooncakeKVReceiver):
     def abort(self) -> None:
         self._lynx_release()
         super().abort()
+
+    def failure_exception(self) -> None:
+        if self._lynx_refused is not None:
+            raise upstream.receiver_failure(self, self._lynx_refused)
+        super().failure_exception()
 
     def clear(self) -> None:
         if not self.lynx_speculating:
@@ -295,11 +324,15 @@ class LynxKVReceiver(MooncakeKVReceiver):
         self.lynx_speculating = False
         self._lynx_release()
 
-    def _lynx_release(self) -> None:
+    def _lynx_release(self) -> RoomReport | None:
+        """Give the room's Lynx state up, once: a later request may take the room."""
         lynx = self.kv_mgr.lynx
-        if lynx is not None and lynx.receiver is not None:
-            lynx.receiver.forget(self.bootstrap_room)
+        report = None
+        if self._lynx_registered and lynx is not None and lynx.receiver is not None:
+            report = lynx.receiver.forget(self.bootstrap_room)
+        self._lynx_registered = False
         self._lynx_call = None
+        return report
 
 
 LYNX_CLASSES: dict[type, type] = {

@@ -112,7 +112,12 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
     try:
         layout = codec.kv_layout_of(k, v)
         handshake = Handshake(
-            settings.mode, settings.codec_config(), layout, settings.protect_first, settings.protect_last
+            settings.mode,
+            settings.codec_config(),
+            layout,
+            settings.protect_first,
+            settings.protect_last,
+            settings.checksums,
         )
         bytes_per_token(layout, handshake.codec)  # checks group_size against head_dim
     except codec.CodecError as exc:
@@ -149,6 +154,7 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
             v_buffers=v,
             handshake=handshake,
             deadline_s=settings.transfer_deadline_s,
+            on_dropped=None if runtime.metrics is None else runtime.metrics.dropped_notice,
         )
         if settings.mode.verifies:
             runtime.decoder = SpeculativeDecoder(

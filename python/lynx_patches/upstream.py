@@ -69,6 +69,7 @@ CONTRACT: tuple[Relied, ...] = (
     Relied(f"{BASE_CONN}.KVPoll", "WaitingForInput", "member"),
     Relied(COMMON_CONN, "ABORT_TAG", "member"),
     Relied(COMMON_CONN, "AbortNotification", "class"),
+    Relied(COMMON_CONN, "KVTransferError", "class"),
     _m(f"{COMMON_CONN}.AbortNotification", "from_zmq", "msg"),
     _a(f"{COMMON_CONN}.AbortNotification", "room"),
     Relied("sglang.srt.utils.network", "NetworkAddress", "class"),
@@ -99,6 +100,8 @@ CONTRACT: tuple[Relied, ...] = (
     _m(TRANSFER_ENGINE, "get_session_id"),
     _m(TRANSFER_ENGINE, "register", "ptr", "length"),
     _a(TRANSFER_ENGINE, "engine"),
+    _m(_SENDER, "__init__", "mgr", "bootstrap_addr", "bootstrap_room"),
+    _m(_SENDER, "init", "num_kv_indices", "aux_index"),
     _m(_SENDER, "poll"),
     _m(_SENDER, "clear"),
     _a(_SENDER, "kv_mgr"),
@@ -108,6 +111,9 @@ CONTRACT: tuple[Relied, ...] = (
     _m(_RECEIVER, "abort"),
     _m(_RECEIVER, "clear"),
     _m(_RECEIVER, "ensure_abort_notified"),
+    _m(_RECEIVER, "failure_exception"),
+    _a(_RECEIVER, "_owns_bootstrap_room"),
+    _a(_RECEIVER, "abort_notified"),
     _a(_RECEIVER, "kv_mgr"),
     _a(_RECEIVER, "bootstrap_room"),
     _a(_RECEIVER, "bootstrap_addr"),
@@ -357,6 +363,26 @@ def fail_receiver(receiver: Any, reason: str) -> None:
     receiver.kv_mgr.record_failure(receiver.bootstrap_room, reason)
     receiver.kv_mgr.update_status(receiver.bootstrap_room, KVPoll.Failed)
     receiver.conclude_state = KVPoll.Failed
+
+
+def fail_receiver_alone(receiver: Any) -> None:
+    """Decode: fail the receiver's request without touching its room's state, which is
+    another request's (status, failure record, prefill's side): the receiver gives the
+    room up as upstream's own duplicate-room check does (``CommonKVReceiver.__init__``),
+    and never sends prefill an abort for it. Its reason comes from
+    :func:`receiver_failure` in the receiver's ``failure_exception``."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    receiver._owns_bootstrap_room = False
+    receiver.abort_notified = True
+    receiver.conclude_state = KVPoll.Failed
+
+
+def receiver_failure(receiver: Any, reason: str) -> Exception:
+    """What a failed receiver's ``failure_exception`` raises: the request fails with ``reason``."""
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    return KVTransferError(receiver.bootstrap_room, reason)
 
 
 def send_to_peer(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -> None:

@@ -27,6 +27,7 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
         ({"max_speculative_tokens": 0}, "--lynx-max-speculative-tokens"),
         ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes"),
         ({"transfer_deadline_s": 0.0}, "--lynx-transfer-deadline"),
+        ({"checksums": "yes"}, "--lynx-checksums must be true or false, got 'yes'"),
     ],
 )
 def test_invalid_values_name_their_flag(kwargs: dict, message: str) -> None:
@@ -38,6 +39,12 @@ def test_protected_tokens_are_counted_from_zero_to_the_bound() -> None:
     assert (LynxSettings().protect_first, LynxSettings().protect_last) == (0, 0)
     widest = LynxSettings(protect_first=65536, protect_last=65536)
     assert LynxSettings.from_json(widest.to_json()) == widest
+
+
+def test_checksums_are_off_unless_asked_for() -> None:
+    assert LynxSettings().checksums is False
+    checked = LynxSettings(checksums=True)
+    assert LynxSettings.from_json(checked.to_json()) == checked
 
 
 def test_from_json_rejects_unknown_and_malformed_settings() -> None:

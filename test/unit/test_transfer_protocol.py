@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,12 +26,15 @@ from lynx.transfer import (
     Stream,
 )
 from lynx.transfer.protocol import (
+    CHECKSUM_BLOCK_WORDS,
     TAG,
     append_offer,
     bytes_per_token,
+    checksum_values,
     is_notice,
     parse_handshake,
     protection_cost,
+    span_checksum,
     split_offer,
 )
 
@@ -43,41 +47,52 @@ ODD = Handshake(
     KVLayout(28, 4, 128, torch.float16),
     protect_first=4,
     protect_last=300,
+    checksums=True,
 )
 ROOM = 0x0102030405060708
 ROOM_LE = "0807060504030201"
+NONCE = 0x1112131415161718
+NONCE_LE = "1817161514131211"
 
 
 # ---- handshake ---------------------------------------------------------------------------------
 
 
 def test_protocol_version_and_tag_are_pinned() -> None:
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3
+    assert CHECKSUM_BLOCK_WORDS == 1024
     assert TAG == b"LYNX1"
     assert SEGMENT_TOKENS == 256
 
 
 def test_handshake_wire_bytes_are_pinned() -> None:
     assert HANDSHAKE.to_wire().hex() == (
-        "4c584853" "02" "00"  # b"LXHS", protocol v2, mode full
+        "4c584853" "03" "00"  # b"LXHS", protocol v3, mode full
+        "00"  # flags: no checksums
         "00000000" "00000000"  # protect_first 0, protect_last 0
         "4c5843" "01" "04" "2000" "00" "00" "1000"  # b"LXC" v1, 4 bits, group 32, int8, per_channel, 16
         "4c584c" "01" "0400" "0200" "4000" "00"  # b"LXL" v1, 4 layers, 2 heads, head_dim 64, bf16
     )  # fmt: skip
     assert ODD.to_wire().hex() == (
-        "4c584853" "02" "01"  # anchor-only
+        "4c584853" "03" "01"  # anchor-only
+        "01"  # flags: checksums
         "04000000" "2c010000"  # protect_first 4, protect_last 300
         "4c5843" "01" "03" "1000" "01" "01" "2000"  # 3 bits, group 16, exact, per_token, 32
         "4c584c" "01" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
     )  # fmt: skip
     speculative = Handshake("speculative", CodecConfig(), LAYOUT).to_wire()
     assert speculative[5] == 2
-    assert len(HANDSHAKE.to_wire()) == len(ODD.to_wire()) == 36
+    assert len(HANDSHAKE.to_wire()) == len(ODD.to_wire()) == 37
 
 
 @pytest.mark.parametrize(
     "handshake",
-    [HANDSHAKE, ODD, Handshake("speculative", CodecConfig(), LAYOUT, protect_first=1 << 16, protect_last=7)],
+    [
+        HANDSHAKE,
+        ODD,
+        Handshake("speculative", CodecConfig(), LAYOUT, protect_first=1 << 16, protect_last=7),
+        Handshake("full", CodecConfig(), LAYOUT, checksums=True),
+    ],
 )
 def test_handshake_round_trips(handshake: Handshake) -> None:
     assert Handshake.from_wire(handshake.to_wire()) == handshake
@@ -89,10 +104,13 @@ def test_handshake_round_trips(handshake: Handshake) -> None:
     [
         (lambda w: w[:5], "too short"),
         (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
-        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v2"),
-        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v2"),  # any version's head
+        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v3"),
+        (lambda w: w[:4] + bytes([2]) + w[5:], "protocol v2, this server v3"),
+        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v3"),  # any version's head
         (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
         (lambda w: w[:10], "10 bytes, too short"),  # truncated protection
+        (lambda w: w[:6] + bytes([2]) + w[7:], "unknown Lynx handshake flags 0x02"),
+        (lambda w: w[:6] + bytes([0x81]) + w[7:], "unknown Lynx handshake flags 0x81"),
     ],
 )
 def test_handshake_from_wire_errors(mutate, message: str) -> None:
@@ -106,8 +124,8 @@ def test_handshake_from_wire_errors(mutate, message: str) -> None:
         lambda w: w[:-1],  # truncated layout
         lambda w: w + b"\0",  # trailing byte
         lambda w: w[:20],  # truncated codec settings
-        lambda w: w[:14] + b"LXQ" + w[17:],  # the codec's own magic
-        lambda w: w[:17] + bytes([7]) + w[18:],  # codec wire version
+        lambda w: w[:15] + b"LXQ" + w[18:],  # the codec's own magic
+        lambda w: w[:18] + bytes([7]) + w[19:],  # codec wire version
         lambda w: w[:-1] + bytes([9]),  # unknown dtype code
     ],
 )
@@ -134,6 +152,11 @@ def test_mismatch_names_both_sides_settings() -> None:
     assert message is not None
     assert "a (mode=full " in message and "protect_first=0 protect_last=0" in message
     assert "b (mode=full " in message and "protect_first=4 protect_last=64" in message
+    checked = Handshake("full", CodecConfig(), LAYOUT, checksums=True)
+    message = HANDSHAKE.mismatch(checked, this="this prefill server", other="decode d:1")
+    assert message is not None
+    assert "this prefill server (mode=full " in message and "checksums=off" in message
+    assert "decode d:1 (mode=full " in message and "checksums=on" in message
 
 
 @pytest.mark.parametrize(("first", "last"), [(-1, 0), (0, -1), (1 << 32, 0)])
@@ -145,7 +168,7 @@ def test_protected_counts_must_fit_the_wire(first: int, last: int) -> None:
 def test_describe_lists_every_setting() -> None:
     assert ODD.describe() == (
         "mode=anchor-only anchor_bits=3 group_size=16 residual=exact key_layout=per_token "
-        "key_block=32 protect_first=4 protect_last=300 kv=[28 layers x 4 heads x 128, float16]"
+        "key_block=32 protect_first=4 protect_last=300 checksums=on kv=[28 layers x 4 heads x 128, float16]"
     )
 
 
@@ -153,11 +176,12 @@ def test_describe_lists_every_setting() -> None:
 
 
 def test_offer_wire_bytes_are_pinned_and_round_trip() -> None:
-    offer = Offer(HANDSHAKE.to_wire(), 0x1000, 4096, 0x2000, 8192, 300)
+    offer = Offer(HANDSHAKE.to_wire(), NONCE, 0x1000, 4096, 0x2000, 8192, 300)
     wire = offer.to_wire()
     assert wire.hex() == (
-        "2400"  # handshake length 36
+        "2500"  # handshake length 37
         + HANDSHAKE.to_wire().hex()
+        + NONCE_LE
         + "0010000000000000"  # anchor address
         + "0010000000000000"  # anchor bytes
         + "0020000000000000"  # residual address
@@ -166,7 +190,7 @@ def test_offer_wire_bytes_are_pinned_and_round_trip() -> None:
     )
     assert Offer.from_wire(wire) == offer
     assert offer.spans() == [(0x1000, 4096), (0x2000, 8192)]
-    anchor_only = Offer(b"hs", 0x1000, 4096, 0, 0, 300)
+    anchor_only = Offer(b"hs", 1, 0x1000, 4096, 0, 0, 300)
     assert Offer.from_wire(anchor_only.to_wire()) == anchor_only
     assert anchor_only.spans() == [(0x1000, 4096)]
 
@@ -177,8 +201,8 @@ def test_offer_wire_bytes_are_pinned_and_round_trip() -> None:
         b"",
         b"\x05",
         struct.pack("<H", 40) + b"short",  # handshake length beyond the message
-        Offer(b"hs", 1, 2, 3, 4, 5).to_wire()[:-1],  # body truncated
-        Offer(b"hs", 1, 2, 3, 4, 5).to_wire() + b"\0",  # trailing byte
+        Offer(b"hs", 9, 1, 2, 3, 4, 5).to_wire()[:-1],  # body truncated
+        Offer(b"hs", 9, 1, 2, 3, 4, 5).to_wire() + b"\0",  # trailing byte
     ],
 )
 def test_malformed_offers_raise_protocol_error(data: bytes) -> None:
@@ -186,8 +210,17 @@ def test_malformed_offers_raise_protocol_error(data: bytes) -> None:
         Offer.from_wire(data)
 
 
+def test_an_offer_of_another_version_is_named() -> None:
+    """A v2 offer had no nonce (its body is 8 bytes shorter) and a 36-byte handshake."""
+    codec_and_layout = CodecConfig().to_wire() + LAYOUT.to_wire()
+    v2_handshake = b"LXHS" + bytes([2, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
+    v2_offer = struct.pack("<H", 36) + v2_handshake + struct.pack("<QQQQQ", 64, 128, 192, 256, 10)
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v3"):
+        Offer.from_wire(v2_offer)
+
+
 def test_append_and_split_offer() -> None:
-    offer = Offer(HANDSHAKE.to_wire(), 64, 128, 192, 256, 10)
+    offer = Offer(HANDSHAKE.to_wire(), NONCE, 64, 128, 192, 256, 10)
     upstream = [b"42", b"10.0.0.1", b"7000", b"session"]
     frames = append_offer(upstream, offer)
     assert frames == [*upstream, b"LYNX1", offer.to_wire()]
@@ -201,18 +234,30 @@ def test_append_and_split_offer() -> None:
 # ---- notices -----------------------------------------------------------------------------------
 
 
+RESERVATION_LE = ROOM_LE + NONCE_LE
 NOTICES: list[tuple[Notice, str]] = [
-    (Notice(NoticeKind.ACCEPT, ROOM, handshake=HANDSHAKE.to_wire()), ROOM_LE + HANDSHAKE.to_wire().hex()),
-    (Notice(NoticeKind.REJECT, ROOM, text="nö"), ROOM_LE + "6ec3b6"),
     (
-        Notice(NoticeKind.LANDED, ROOM, stream=Stream.RESIDUAL, ok=False, nbytes=1234, text="boom"),
-        ROOM_LE + "01" + "00" + "d204000000000000" + b"boom".hex(),
+        Notice(NoticeKind.ACCEPT, ROOM, NONCE, handshake=HANDSHAKE.to_wire()),
+        RESERVATION_LE + HANDSHAKE.to_wire().hex(),
+    ),
+    (Notice(NoticeKind.REJECT, ROOM, NONCE, text="nö"), RESERVATION_LE + "6ec3b6"),
+    (
+        Notice(NoticeKind.LANDED, ROOM, NONCE, stream=Stream.RESIDUAL, ok=False, nbytes=1234, text="boom"),
+        RESERVATION_LE + "01" + "00" + "d204000000000000" + "00000000" + b"boom".hex(),
     ),
     (
-        Notice(NoticeKind.LANDED, ROOM, stream=Stream.ANCHOR, ok=True, nbytes=0x0A0B0C),
-        ROOM_LE + "00" + "01" + "0c0b0a0000000000",
+        Notice(
+            NoticeKind.LANDED,
+            ROOM,
+            NONCE,
+            stream=Stream.ANCHOR,
+            ok=True,
+            nbytes=0x0A0B0C,
+            checksums=(0x01020304, 0xFFFFFFFF),
+        ),
+        RESERVATION_LE + "00" + "01" + "0c0b0a0000000000" + "02000000" + "04030201" + "ffffffff",
     ),
-    (Notice(NoticeKind.RELEASED, ROOM), ROOM_LE),
+    (Notice(NoticeKind.RELEASED, ROOM, NONCE), RESERVATION_LE),
 ]
 
 
@@ -247,12 +292,18 @@ def test_is_notice() -> None:
         ([b"LYNX2", b"RELEASED", bytes(8)], "not a Lynx notice"),
         ([b"LYNX1", b"RELEASED", bytes(8), b""], "not a Lynx notice"),
         ([b"LYNX1", b"HELLO", bytes(8)], "unknown Lynx notice"),
-        ([b"LYNX1", b"RELEASED", bytes(7)], "malformed Lynx RELEASED"),
-        ([b"LYNX1", b"ACCEPT", b""], "malformed Lynx ACCEPT"),
-        ([b"LYNX1", b"REJECT", bytes(3)], "malformed Lynx REJECT"),
-        ([b"LYNX1", b"LANDED", bytes(17)], "malformed Lynx LANDED"),
-        ([b"LYNX1", b"LANDED", struct.pack("<QBBQ", 1, 2, 1, 0)], "malformed Lynx LANDED"),  # stream 2
-        ([b"LYNX1", b"LANDED", struct.pack("<QBBQ", 1, 0, 0, 0) + b"\xff"], "malformed Lynx LANDED"),
+        ([b"LYNX1", b"RELEASED", bytes(15)], "malformed Lynx RELEASED"),  # a v2 RELEASED: no nonce
+        ([b"LYNX1", b"ACCEPT", bytes(8)], "malformed Lynx ACCEPT"),
+        ([b"LYNX1", b"REJECT", bytes(11)], "malformed Lynx REJECT"),
+        ([b"LYNX1", b"LANDED", bytes(29)], "malformed Lynx LANDED"),
+        (
+            [b"LYNX1", b"LANDED", struct.pack("<QQBBQI", 1, 2, 2, 1, 0, 0)],
+            "malformed Lynx LANDED",
+        ),  # stream 2
+        ([b"LYNX1", b"LANDED", struct.pack("<QQBBQI", 1, 2, 0, 0, 0, 0) + b"\xff"], "malformed Lynx LANDED"),
+        # more checksums announced than the payload holds
+        ([b"LYNX1", b"LANDED", struct.pack("<QQBBQII", 1, 2, 0, 1, 64, 2, 7)], "malformed Lynx LANDED"),
+        ([b"LYNX1", b"LANDED", struct.pack("<QQBBQI", 1, 2, 0, 1, 64, 1 << 30)], "malformed Lynx LANDED"),
     ],
 )
 def test_malformed_notices_raise_protocol_error(frames: list[bytes], message: str) -> None:
@@ -370,7 +421,19 @@ def test_request_layout_with_protected_tokens(
                 <= region + (plan.anchor_nbytes, plan.residual_nbytes)[stream]
             )
             sent[stream] += span.stop - span.start
+        streams = [stream for stream, _ in plan.sent_ranges(seg)]
+        assert len(streams) == len(set(streams))  # one contiguous range per stream
+        if seg.protected:  # its Residual follows its Anchor: one range, on the Anchor stream
+            anchor, residual = plan.byte_ranges(seg)
+            assert plan.sent_ranges(seg) == [(Stream.ANCHOR, slice(anchor.start, residual.stop))]
     assert (sent[Stream.ANCHOR], sent[Stream.RESIDUAL]) == (plan.anchor_nbytes, plan.sent_residual_nbytes)
+    assert sent == plan.sent_nbytes() == RequestLayout.sent_nbytes_of(handshake, n_tokens)
+    for stream in Stream:  # what the checksums of a stream cover, segment by segment
+        ranges = plan.stream_ranges(stream)
+        assert [span for _, span in ranges] == [
+            span for seg in plan.segments for s, span in plan.sent_ranges(seg) if s is stream
+        ]
+        assert sum(span.stop - span.start for _, span in ranges) == sent[stream]
 
 
 @settings(max_examples=200, deadline=None)
@@ -413,6 +476,40 @@ def test_protection_cost(mode: Mode) -> None:
     )
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    n_tokens=st.integers(1, 3000),
+    first=st.integers(0, 3100),
+    last=st.integers(0, 3100),
+    key_block=st.sampled_from([2, 16, 256]),
+    mode=st.sampled_from(list(Mode)),
+    residual=st.sampled_from(["int8", "exact"]),
+)
+def test_sent_nbytes_by_arithmetic_match_the_layout(
+    n_tokens: int, first: int, last: int, key_block: int, mode: Mode, residual: str
+) -> None:
+    config = CodecConfig(key_block=key_block, residual=residual)  # type: ignore[arg-type]
+    handshake = Handshake(mode, config, LAYOUT, protect_first=first, protect_last=last)
+    plan = RequestLayout.of(handshake, n_tokens)
+    assert RequestLayout.sent_nbytes_of(handshake, n_tokens) == plan.sent_nbytes()
+    assert plan.sent_nbytes() == {
+        Stream.ANCHOR: plan.anchor_nbytes,
+        Stream.RESIDUAL: plan.sent_residual_nbytes,
+    }
+
+
+def test_sent_nbytes_of_an_absurd_token_count_builds_nothing() -> None:
+    """A peer's count is checked by arithmetic: 2**50 tokens cost a few calls, not a layout."""
+    started = time.monotonic()
+    sizes = RequestLayout.sent_nbytes_of(HANDSHAKE, 1 << 50)
+    assert time.monotonic() - started < 0.5
+    anchor, residual = segment_nbytes(LAYOUT, SEGMENT_TOKENS, HANDSHAKE.codec)
+    whole = (1 << 50) // SEGMENT_TOKENS
+    assert sizes == {Stream.ANCHOR: whole * anchor, Stream.RESIDUAL: whole * residual}
+    with pytest.raises(ValueError, match="at least one token"):
+        RequestLayout.sent_nbytes_of(HANDSHAKE, 0)
+
+
 def test_request_layout_needs_a_token() -> None:
     with pytest.raises(ValueError, match="at least one token"):
         RequestLayout(LAYOUT, CodecConfig(), 0, Mode.FULL)
@@ -432,6 +529,56 @@ def test_ready_returns_whole_segments_only_unless_last() -> None:
 def test_bytes_per_token_is_that_of_a_full_segment() -> None:
     anchor, residual = segment_nbytes(LAYOUT, SEGMENT_TOKENS, CodecConfig())
     assert bytes_per_token(LAYOUT, CodecConfig()) == (anchor / SEGMENT_TOKENS, residual / SEGMENT_TOKENS)
+
+
+# ---- checksums ------------------------------------------------------------------------------
+
+
+def reference_checksum(data: bytes) -> int:
+    """The module docstring's definition, word by word."""
+    words = struct.unpack(f"<{len(data) // 4}I", data)
+    return sum((2 * (i // CHECKSUM_BLOCK_WORDS) + 1) * w for i, w in enumerate(words)) % (1 << 32)
+
+
+def checksum_of(span: torch.Tensor) -> int:
+    (value,) = checksum_values([span_checksum(span)])
+    return value
+
+
+def test_span_checksum_is_pinned() -> None:
+    data = bytes(range(256)) * 40  # 2560 words: two whole 4 KiB blocks and a partial one
+    span = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert checksum_of(span) == reference_checksum(data) == 0x0CF2CC00
+    gen = torch.Generator().manual_seed(7)
+    for nbytes in (16, 4096, 4112, 3 * 4096 + 48, 40000):
+        noise = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        assert checksum_of(noise) == reference_checksum(noise.numpy().tobytes())
+    # a range inside a larger buffer (as in the send and receive buffers)
+    assert checksum_of(torch.cat([torch.zeros(64, dtype=torch.uint8), span])[64:]) == 0x0CF2CC00
+    assert checksum_of(torch.zeros(0, dtype=torch.uint8)) == 0
+    assert checksum_values([]) == []
+    with pytest.raises(ValueError, match="whole number of 32-bit words"):
+        span_checksum(torch.zeros(18, dtype=torch.uint8))
+
+
+def test_span_checksum_catches_changed_words_moved_blocks_and_stale_bytes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    span = torch.randint(0, 256, (3 * 4096 + 48,), dtype=torch.uint8, generator=gen)
+    base = checksum_of(span)
+    for at in (0, 1, 4095, 4096, 8191, 3 * 4096 + 47):  # every block, and the partial one
+        for delta in (1, 2, 128, 255):
+            changed = span.clone()
+            changed[at] = (int(changed[at]) + delta) % 256
+            assert checksum_of(changed) != base, (at, delta)
+    words = span.view(torch.int32).clone()
+    words[5] = words[5] ^ -1  # a word's every bit
+    assert checksum_of(words.view(torch.uint8)) != base
+    swapped = span.clone()
+    swapped[:4096], swapped[8192:12288] = span[8192:12288], span[:4096]  # blocks 0 and 2
+    assert checksum_of(swapped) != base
+    assert checksum_of(torch.zeros_like(span)) != base  # bytes never written
+    other = torch.randint(0, 256, span.shape, dtype=torch.uint8, generator=gen)
+    assert checksum_of(other) != base  # another request's bytes
 
 
 # ---- chunking does not change what decode gets ---------------------------------------------------

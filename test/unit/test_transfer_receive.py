@@ -23,19 +23,21 @@ from lynx.transfer import (
 LAYOUT = KVLayout(4, 2, 64, torch.bfloat16)
 PEER = "10.0.0.2:8998"
 DEADLINE = 5.0
+N_TOKENS = 300  # two segments
+NONCE = 99  # the tracker is given only notices of its reservation: any nonce does
 S = ReceiveState
 
 
 def local(mode: Mode = "full") -> Handshake:
-    return Handshake(mode, CodecConfig(), LAYOUT)
+    return Handshake(mode, CodecConfig(), LAYOUT, checksums=True)
 
 
-def streams(mode: Mode = "full") -> tuple[Stream, ...]:
-    return RequestLayout.of(local(mode), 300).streams
+def plan(mode: Mode = "full") -> RequestLayout:
+    return RequestLayout.of(local(mode), N_TOKENS)
 
 
 def tracker(mode: Mode = "full", *, accepted: bool = True) -> ReceiveTracker:
-    t = ReceiveTracker(room=7, local=local(mode), deadline_s=DEADLINE, streams=streams(mode))
+    t = ReceiveTracker(room=7, local=local(mode), deadline_s=DEADLINE, plan=plan(mode))
     t.offered(now=0.0)
     if accepted:
         t.on_notice(accept(local(mode)), PEER, now=0.5)
@@ -43,11 +45,30 @@ def tracker(mode: Mode = "full", *, accepted: bool = True) -> ReceiveTracker:
 
 
 def accept(handshake: Handshake) -> Notice:
-    return Notice(NoticeKind.ACCEPT, 7, handshake=handshake.to_wire())
+    return Notice(NoticeKind.ACCEPT, 7, NONCE, handshake=handshake.to_wire())
 
 
-def landed(stream: Stream, nbytes: int = 100, ok: bool = True, text: str = "") -> Notice:
-    return Notice(NoticeKind.LANDED, 7, stream=stream, ok=ok, nbytes=nbytes, text=text)
+def landed(
+    stream: Stream,
+    nbytes: int | None = None,
+    ok: bool = True,
+    text: str = "",
+    checksums: tuple[int, ...] | None = None,
+    mode: Mode = "full",
+) -> Notice:
+    """A LANDED notice; by default what the request's layout sends on ``stream``, with a
+    checksum per segment."""
+    layout = plan(mode)
+    return Notice(
+        NoticeKind.LANDED,
+        7,
+        NONCE,
+        stream=stream,
+        ok=ok,
+        nbytes=layout.sent_nbytes()[stream] if nbytes is None else nbytes,
+        checksums=tuple(range(len(layout.stream_ranges(stream)))) if checksums is None else checksums,
+        text=text,
+    )
 
 
 def test_receive_state_machine_is_pinned() -> None:
@@ -75,14 +96,14 @@ def test_receive_state_machine_is_pinned() -> None:
     ],
 )
 def test_illegal_moves_raise(start: ReceiveState, to: ReceiveState) -> None:
-    t = ReceiveTracker(room=3, local=local(), deadline_s=DEADLINE, streams=streams(), state=start)
+    t = ReceiveTracker(room=3, local=local(), deadline_s=DEADLINE, plan=plan(), state=start)
     with pytest.raises(ValueError, match=f"room 3: Lynx receive state {start.value} -> {to.value}"):
         t.move(to)
     assert t.state is start
 
 
 def test_offered_records_the_time_and_moves() -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams())
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, plan=plan())
     assert t.state is S.WAITING_SPACE
     t.offered(now=12.5)
     assert (t.state, t.offered_at) == (S.OFFERED, 12.5)
@@ -92,7 +113,7 @@ def test_offered_records_the_time_and_moves() -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY, S.COMPLETE])
 def test_wait_while_upstream_pending(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams(), state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, plan=plan(), state=state)
     assert t.verdict(Upstream.PENDING, now=1e9) is Verdict.WAIT
     assert t.state is state and t.error is None
     assert t.upstream_success_at is None  # the deadline only runs from upstream's Success
@@ -100,7 +121,7 @@ def test_wait_while_upstream_pending(state: ReceiveState) -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY])
 def test_upstream_failure_fails(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams(), state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, plan=plan(), state=state)
     assert t.verdict(Upstream.FAILED, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error == "the upstream KV transfer failed"
@@ -126,7 +147,7 @@ def test_a_landing_before_the_accept_counts_once_accepted() -> None:
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED])
 def test_upstream_success_without_accept_fails_naming_the_flag(state: ReceiveState) -> None:
-    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, streams=streams(), state=state)
+    t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, plan=plan(), state=state)
     assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error is not None
@@ -139,13 +160,14 @@ def test_full_mode_waits_for_the_residual() -> None:
     t = tracker("full")
     assert t.state is S.ACCEPTED
     assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
-    t.on_notice(landed(Stream.ANCHOR, 300), PEER, now=1.5)
+    t.on_notice(landed(Stream.ANCHOR, checksums=(1, 2)), PEER, now=1.5)
     assert t.state is S.ANCHOR_READY
     assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.WAIT
-    t.on_notice(landed(Stream.RESIDUAL, 900), PEER, now=2.5)
+    t.on_notice(landed(Stream.RESIDUAL, checksums=(3, 4)), PEER, now=2.5)
     assert t.state is S.COMPLETE
     assert t.verdict(Upstream.SUCCESS, now=3.0) is Verdict.READY
-    assert t.landed == {Stream.ANCHOR: 300, Stream.RESIDUAL: 900}
+    assert t.landed == plan().sent_nbytes()
+    assert t.checksums == {Stream.ANCHOR: (1, 2), Stream.RESIDUAL: (3, 4)}  # for write_kv to check
     assert t.landed_at == {Stream.ANCHOR: 1.5, Stream.RESIDUAL: 2.5}
     assert t.upstream_success_at == 1.0
     assert t.error is None
@@ -153,10 +175,10 @@ def test_full_mode_waits_for_the_residual() -> None:
 
 def test_full_mode_residual_landing_first_waits_for_the_anchor() -> None:
     t = tracker("full")
-    t.on_notice(landed(Stream.RESIDUAL, 900), PEER, now=1.0)
+    t.on_notice(landed(Stream.RESIDUAL), PEER, now=1.0)
     assert t.state is S.ACCEPTED
     assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
-    t.on_notice(landed(Stream.ANCHOR, 300), PEER, now=2.0)
+    t.on_notice(landed(Stream.ANCHOR), PEER, now=2.0)
     assert t.state is S.COMPLETE
     assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
 
@@ -180,14 +202,20 @@ def test_speculative_decodes_on_the_anchor_and_completes_on_the_residual() -> No
 
 @pytest.mark.parametrize("mode", ["full", "speculative"])
 def test_every_token_protected_completes_on_the_anchor(mode: Mode) -> None:
-    handshake = Handshake(mode, CodecConfig(), LAYOUT, protect_first=200, protect_last=200)
-    plan = RequestLayout.of(handshake, 300)
-    assert plan.streams == (Stream.ANCHOR,)  # the Residual region is empty: no stream
-    t = ReceiveTracker(room=7, local=handshake, deadline_s=DEADLINE, streams=plan.streams)
+    handshake = Handshake(mode, CodecConfig(), LAYOUT, protect_first=200, protect_last=200, checksums=True)
+    layout = RequestLayout.of(handshake, N_TOKENS)
+    assert layout.streams == (Stream.ANCHOR,)  # the Residual region is empty: no stream
+    t = ReceiveTracker(room=7, local=handshake, deadline_s=DEADLINE, plan=layout)
     t.offered(now=0.0)
     t.on_notice(accept(handshake), PEER, now=0.5)
     assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
-    t.on_notice(landed(Stream.ANCHOR), PEER, now=1.5)
+    t.on_notice(landed(Stream.RESIDUAL), PEER, now=1.2)  # not a stream of this request
+    assert t.error == f"prefill {PEER} reported the Residual landed with a stream this request does not send"
+    t = ReceiveTracker(room=7, local=handshake, deadline_s=DEADLINE, plan=layout)
+    t.offered(now=0.0)
+    t.on_notice(accept(handshake), PEER, now=0.5)
+    nbytes, segments = layout.anchor_nbytes, len(layout.stream_ranges(Stream.ANCHOR))
+    t.on_notice(landed(Stream.ANCHOR, nbytes, checksums=(0,) * segments), PEER, now=1.5)
     assert t.state is S.COMPLETE  # nothing else will come
     assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
     assert t.residual_verdict(now=2.0) is Verdict.READY
@@ -209,9 +237,50 @@ def test_failed_landing_fails_with_the_stream_name(stream: Stream, name: str) ->
     assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.FAIL
 
 
+@pytest.mark.parametrize("stream", [Stream.ANCHOR, Stream.RESIDUAL])
+@pytest.mark.parametrize("delta", [-1, 1, None])  # short, long, nothing at all
+def test_a_landing_of_another_byte_count_fails_naming_both(stream: Stream, delta: int | None) -> None:
+    """LANDED completes a stream only with the bytes the request's layout puts on it: a
+    short count (or 0, which once made a request decode stale bytes) fails it."""
+    expected = plan().sent_nbytes()[stream]
+    nbytes = 0 if delta is None else expected + delta
+    t = tracker("full")
+    t.on_notice(landed(stream, nbytes), PEER, now=1.0)
+    assert t.state is S.FAILED and t.landed == {}
+    name = "Anchor" if stream is Stream.ANCHOR else "Residual"
+    assert t.error == (
+        f"prefill {PEER} reported the {name} landed with {nbytes} bytes, "
+        f"the request's layout sends {expected}"
+    )
+    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.FAIL
+
+
+@pytest.mark.parametrize("checksums", [(), (1,), (1, 2, 3)])
+def test_a_landing_needs_one_checksum_per_segment(checksums: tuple[int, ...]) -> None:
+    t = tracker("full")
+    t.on_notice(landed(Stream.ANCHOR, checksums=checksums), PEER, now=1.0)
+    assert t.state is S.FAILED
+    assert t.error == (
+        f"prefill {PEER} reported the Anchor landed with {len(checksums)} checksums, this side wants 2"
+    )
+
+
+def test_without_checksums_a_landing_carries_none() -> None:
+    handshake = Handshake("full", CodecConfig(), LAYOUT)
+    t = ReceiveTracker(
+        room=7, local=handshake, deadline_s=DEADLINE, plan=RequestLayout.of(handshake, N_TOKENS)
+    )
+    t.offered(now=0.0)
+    t.on_notice(accept(handshake), PEER, now=0.5)
+    t.on_notice(landed(Stream.ANCHOR, checksums=()), PEER, now=1.0)
+    assert t.state is S.ANCHOR_READY and t.checksums == {Stream.ANCHOR: ()}
+    t.on_notice(landed(Stream.RESIDUAL, checksums=(1, 2)), PEER, now=1.0)
+    assert t.error == f"prefill {PEER} reported the Residual landed with 2 checksums, this side wants 0"
+
+
 def test_reject_fails_with_the_reason() -> None:
     t = tracker("full", accepted=False)
-    t.on_notice(Notice(NoticeKind.REJECT, 7, text="settings differ: anchor_bits=2"), PEER, now=1.0)
+    t.on_notice(Notice(NoticeKind.REJECT, 7, NONCE, text="settings differ: anchor_bits=2"), PEER, now=1.0)
     assert t.state is S.FAILED
     assert t.error == f"prefill {PEER} refused the Lynx transfer: settings differ: anchor_bits=2"
     assert t.verdict(Upstream.PENDING, now=1.0) is Verdict.FAIL
@@ -219,7 +288,7 @@ def test_reject_fails_with_the_reason() -> None:
 
 def test_accept_with_other_settings_fails_naming_both() -> None:
     t = tracker("full", accepted=False)
-    theirs = Handshake("full", CodecConfig(anchor_bits=3), LAYOUT)
+    theirs = Handshake("full", CodecConfig(anchor_bits=3), LAYOUT, checksums=True)
     t.on_notice(accept(theirs), PEER, now=1.0)
     assert t.state is S.FAILED
     assert t.error is not None
@@ -229,7 +298,7 @@ def test_accept_with_other_settings_fails_naming_both() -> None:
 
 def test_accept_with_an_unreadable_handshake_fails() -> None:
     t = tracker("full", accepted=False)
-    t.on_notice(Notice(NoticeKind.ACCEPT, 7, handshake=b"LXHS\x07\x00"), PEER, now=1.0)
+    t.on_notice(Notice(NoticeKind.ACCEPT, 7, NONCE, handshake=b"LXHS\x07\x00"), PEER, now=1.0)
     assert t.state is S.FAILED
     assert t.error is not None
     assert f"prefill {PEER} sent a Lynx handshake this server cannot read" in t.error
@@ -263,10 +332,10 @@ def test_deadline_does_not_apply_once_decodable() -> None:
 
 def test_terminal_states_ignore_later_notices() -> None:
     t = tracker("full")
-    t.on_notice(Notice(NoticeKind.REJECT, 7, text="first"), PEER, now=1.0)
+    t.on_notice(Notice(NoticeKind.REJECT, 7, NONCE, text="first"), PEER, now=1.0)
     error = t.error
     t.on_notice(landed(Stream.ANCHOR), PEER, now=2.0)
-    t.on_notice(Notice(NoticeKind.REJECT, 7, text="second"), PEER, now=2.0)
+    t.on_notice(Notice(NoticeKind.REJECT, 7, NONCE, text="second"), PEER, now=2.0)
     t.fail("third")
     assert (t.state, t.error, t.landed) == (S.FAILED, error, {})
 
@@ -295,7 +364,7 @@ def test_residual_verdict_after_decoding_on_the_anchor() -> None:
 
     t = started()
     assert t.residual_verdict(now=5.0) is Verdict.WAIT
-    t.on_notice(landed(Stream.RESIDUAL, 400), PEER, now=5.5)
+    t.on_notice(landed(Stream.RESIDUAL), PEER, now=5.5)
     assert t.residual_verdict(now=5.5) is Verdict.READY
     t = started()
     assert t.residual_verdict(now=1.0 + DEADLINE + 0.1) is Verdict.FAIL

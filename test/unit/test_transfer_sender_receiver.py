@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from lynx.codec import CodecConfig, KVLayout, decode, encode
+from lynx.codec import CodecConfig, KVLayout, decode, encode, encode_pages
 from lynx.lanes import BatchState, LaneConfig, Transfer
 from lynx.mode import Mode
 from lynx.transfer import (
+    DuplicateRoomError,
     Handshake,
     Notice,
     NoticeKind,
@@ -24,6 +25,7 @@ from lynx.transfer import (
     ProgressiveReceiver,
     ProgressiveSender,
     ReceiveCapacityError,
+    ReceiveIntegrityError,
     RequestLayout,
     Stream,
     Upstream,
@@ -31,6 +33,8 @@ from lynx.transfer import (
     page_slots,
 )
 from lynx.transfer.arena import ByteArena
+from lynx.transfer.protocol import checksum_values, span_checksum
+from lynx.transfer.receiver import _NON_FINITE, _largest_magnitude
 
 LAYERS, HEADS, HEAD_DIM, ROWS = 4, 2, 64, 2048
 LAYOUT = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
@@ -154,11 +158,20 @@ class Pair:
         quarantine_s: float | None = None,
         landed_delay_s: float = 0.0,
         residual_hold_s: float = 0.0,
+        offer_wait_s: float = 60.0,
+        checksums: bool = False,
+        decode_checksums: bool | None = None,
     ) -> None:
         codec = codec or CodecConfig()
         self.landed_delay_s = landed_delay_s
-        self.handshake = Handshake(mode, codec, LAYOUT, *protect)
-        decode_handshake = Handshake(mode, decode_codec or codec, LAYOUT, *(decode_protect or protect))
+        self.handshake = Handshake(mode, codec, LAYOUT, *protect, checksums)
+        decode_handshake = Handshake(
+            mode,
+            decode_codec or codec,
+            LAYOUT,
+            *(decode_protect or protect),
+            checksums if decode_checksums is None else decode_checksums,
+        )
         self.page_size = page_size
         self.backend = backend or CopyBackend()
         self.prefill_k, self.prefill_v = kv_pool(seed=0)
@@ -166,13 +179,18 @@ class Pair:
         self.lock = threading.Lock()
         self.notices: list[Notice] = []
         self.failures: list[tuple[int, str]] = []
+        self.dropped: list[str] = []
+        self.receive_buffer = torch.zeros(
+            recv_bytes or 4 * request_nbytes(decode_handshake), dtype=torch.uint8
+        )
         self.receiver = ProgressiveReceiver(
-            buffer=torch.zeros(recv_bytes or 4 * request_nbytes(decode_handshake), dtype=torch.uint8),
+            buffer=self.receive_buffer,
             k_buffers=self.decode_k,
             v_buffers=self.decode_v,
             handshake=decode_handshake,
             deadline_s=600.0,
             quarantine_s=quarantine_s,
+            on_dropped=self.dropped.append,
         )
         self.send_buffer = torch.zeros(send_bytes or 4 * request_nbytes(self.handshake), dtype=torch.uint8)
         self.sender = ProgressiveSender(
@@ -186,6 +204,7 @@ class Pair:
             notify=self._notify,
             on_failure=self._on_failure,
             hold_s=(0.0, residual_hold_s),
+            offer_wait_s=offer_wait_s,
         )
 
     def _notify(self, endpoint: tuple[str, int], frames: list[bytes]) -> None:
@@ -205,11 +224,23 @@ class Pair:
         with self.lock:
             return [n.kind for n in self.notices if n.room == room]
 
+    def reserve(self, room: int, n_tokens: int = N_TOKENS) -> Offer | None:
+        """Decode takes the request and reserves its space (None: none is free)."""
+        self.receiver.register(room, n_tokens, peer=PREFILL_ADDR)
+        return self.receiver.reserve(room)
+
+    def answer(self, room: int, offer_bytes: bytes | None, n_tokens: int = N_TOKENS) -> Offer | str | None:
+        """Decode's metadata reaches prefill before prefill's request of ``n_tokens``
+        tokens exists (upstream's usual order); prefill answers once it knows the length."""
+        assert self.sender.take_offer(room, offer_bytes, DECODE_ENDPOINT, DECODE_SESSION) is None
+        self.sender.open_room(room)
+        return self.sender.size_room(room, n_tokens)
+
     def offer(self, room: int, n_tokens: int = N_TOKENS) -> Offer:
         """Decode reserves space; prefill accepts its offer."""
-        offer = self.receiver.reserve(room, n_tokens, peer=PREFILL_ADDR)
+        offer = self.reserve(room, n_tokens)
         assert offer is not None
-        assert self.sender.answer_offer(room, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) == offer
+        assert self.answer(room, offer.to_wire(), n_tokens) == offer
         return offer
 
     def pages(self, seed: int, n_tokens: int = N_TOKENS) -> np.ndarray:
@@ -356,11 +387,12 @@ def test_buffers_must_be_flat_uint8(pairs: Callable[..., Pair]) -> None:
         (8, [40, 35]),  # 75 pages of 8, the last one partial (598 tokens)
     ],
 )
+@pytest.mark.parametrize("checksums", [False, True])
 def test_full_mode_decodes_the_codec_reconstruction(
-    pairs: Callable[..., Pair], page_size: int, chunks: list[int]
+    pairs: Callable[..., Pair], page_size: int, chunks: list[int], checksums: bool
 ) -> None:
     n_tokens = N_TOKENS if page_size != 8 else N_TOKENS - 2
-    pair = pairs(page_size=page_size)
+    pair = pairs(page_size=page_size, checksums=checksums)
     offer = pair.offer(room=11, n_tokens=n_tokens)
     plan = RequestLayout(LAYOUT, pair.handshake.codec, n_tokens, Mode.FULL)
     assert (offer.anchor_nbytes, offer.residual_nbytes, offer.n_tokens) == (
@@ -393,6 +425,8 @@ def test_full_mode_decodes_the_codec_reconstruction(
 
     pair.wait_released(11)
     assert pair.kinds(11) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
+    segments = len(plan.segments) if checksums else 0  # one checksum per segment and stream, if on
+    assert [len(n.checksums) for n in pair.notices if n.kind is NoticeKind.LANDED] == [segments, segments]
     wait_for(lambda: pair.sender.stats().rooms == 0, "the sender to forget the room")
     sent = pair.sender.stats()
     assert (sent.buffer_used, sent.waiting_for_space) == (0, 0)
@@ -590,9 +624,9 @@ def test_every_token_protected_sends_the_anchor_stream_alone(pairs: Callable[...
 
 def test_other_protection_on_decode_is_refused(pairs: Callable[..., Pair]) -> None:
     pair = pairs(protect=PROTECT, decode_protect=(0, 64))
-    offer = pair.receiver.reserve(34, N_TOKENS, peer=PREFILL_ADDR)
+    offer = pair.reserve(34)
     assert offer is not None
-    reason = pair.sender.answer_offer(34, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)
+    reason = pair.answer(34, offer.to_wire())
     assert isinstance(reason, str)
     assert "protect_first=20 protect_last=70" in reason and "protect_first=0 protect_last=64" in reason
     assert (
@@ -668,28 +702,28 @@ def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) ->
     one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
     pair = pairs(recv_bytes=one + one // 2)
     offer = pair.offer(1)
-    assert pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR) is None
+    assert pair.reserve(2) is None
+    assert pair.receiver.reserve(2) is None  # polled again: still no space
     stats = pair.receiver.stats()
     assert (stats.rooms, stats.waiting_for_space, stats.buffer_used) == (2, 1, one)
-    assert pair.receiver.knows(2)
+    assert pair.receiver.report(2) is not None
     assert pair.receiver.verdict(2, Upstream.PENDING) == (Verdict.WAIT, None)
 
     pair.send(1, offer, pair.pages(seed=9), [600])
     pair.wait_verdict(1, Verdict.READY)
     pair.receiver.write_kv(1, torch.arange(N_TOKENS))
     pair.receiver.forget(1)
-    again = pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR)
+    again = pair.receiver.reserve(2)
     assert again is not None and again.anchor_addr == offer.anchor_addr
-    with pytest.raises(ValueError, match="already has receive space"):
-        pair.receiver.reserve(2, N_TOKENS, peer=PREFILL_ADDR)
+    assert pair.receiver.reserve(2) == again  # the same reservation
 
 
 def test_a_request_larger_than_the_receive_buffer_fails_at_once(pairs: Callable[..., Pair]) -> None:
     one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
     pair = pairs(recv_bytes=one // 2)
     with pytest.raises(ReceiveCapacityError, match="--lynx-buffer-bytes"):
-        pair.receiver.reserve(1, N_TOKENS, peer=PREFILL_ADDR)
-    assert not pair.receiver.knows(1)
+        pair.receiver.register(1, N_TOKENS, peer=PREFILL_ADDR)
+    assert pair.receiver.report(1) is None
     assert pair.receiver.stats().rooms == 0
 
 
@@ -705,19 +739,21 @@ def test_decode_needs_one_slot_per_token(pairs: Callable[..., Pair]) -> None:
 def test_verdict_of_an_unknown_room_fails(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
     assert pair.receiver.verdict(404, Upstream.SUCCESS) == (Verdict.FAIL, "no Lynx state for room 404")
-    assert not pair.receiver.knows(404)
+    assert pair.receiver.report(404) is None
 
 
-def test_unreadable_notices_and_unknown_rooms_are_ignored(pairs: Callable[..., Pair]) -> None:
+def test_unreadable_notices_and_unknown_rooms_are_dropped_and_counted(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
-    pair.offer(17)
+    offer = pair.offer(17)
     pair.receiver.on_notice([b"LYNX1", b"HELLO", bytes(8)])
-    pair.receiver.on_notice(Notice(NoticeKind.LANDED, 17, nbytes=5).to_frames()[:2])
-    pair.receiver.on_notice(Notice(NoticeKind.REJECT, 99, text="not yours").to_frames())
-    pair.receiver.on_notice(Notice(NoticeKind.RELEASED, 98).to_frames())
+    pair.receiver.on_notice(Notice(NoticeKind.LANDED, 17, offer.nonce, nbytes=5).to_frames()[:2])
+    pair.receiver.on_notice(Notice(NoticeKind.REJECT, 99, offer.nonce, text="not yours").to_frames())
+    pair.receiver.on_notice(Notice(NoticeKind.RELEASED, 98, offer.nonce).to_frames())
     assert pair.receiver.verdict(17, Upstream.PENDING) == (Verdict.WAIT, None)
     stats = pair.receiver.stats()
     assert (stats.rooms, stats.anchor_bytes, stats.residual_bytes) == (1, 0, 0)
+    assert stats.dropped_notices == {"malformed": 2, "unknown_reservation": 2}
+    assert pair.dropped == ["malformed", "malformed", "unknown_reservation", "unknown_reservation"]
 
 
 # ---- failures ----------------------------------------------------------------------------------
@@ -762,11 +798,22 @@ def test_nan_in_the_kv_fails_naming_the_layer(pairs: Callable[..., Pair]) -> Non
     wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
 
 
+def test_checksums_on_one_side_only_are_refused(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(checksums=True, decode_checksums=False)
+    offer = pair.reserve(7)
+    assert offer is not None
+    reason = pair.answer(7, offer.to_wire())
+    assert isinstance(reason, str)
+    assert "this prefill server (mode=full" in reason and "checksums=on" in reason
+    assert "decode 10.0.0.2:9000 (mode=full" in reason and "checksums=off" in reason
+    assert pair.wait_verdict(7, Verdict.FAIL) == f"prefill {PREFILL_ADDR} refused the Lynx transfer: {reason}"
+
+
 def test_other_settings_on_decode_are_refused(pairs: Callable[..., Pair]) -> None:
     pair = pairs(decode_codec=CodecConfig(anchor_bits=3))
-    offer = pair.receiver.reserve(8, N_TOKENS, peer=PREFILL_ADDR)
+    offer = pair.reserve(8)
     assert offer is not None
-    reason = pair.sender.answer_offer(8, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)
+    reason = pair.answer(8, offer.to_wire())
     assert isinstance(reason, str)
     assert "anchor_bits=4" in reason and "anchor_bits=3" in reason and "decode 10.0.0.2:9000" in reason
     assert pair.kinds(8) == [NoticeKind.REJECT]
@@ -777,13 +824,16 @@ def test_other_settings_on_decode_are_refused(pairs: Callable[..., Pair]) -> Non
 
 def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
-    reason = pair.sender.answer_offer(8, b"\x01", DECODE_ENDPOINT, DECODE_SESSION)
+    reason = pair.answer(8, b"\x01")
     assert isinstance(reason, str) and reason.startswith("cannot read the decode server's Lynx offer")
-    assert pair.kinds(8) == [NoticeKind.REJECT]
-    bad_handshake = Offer(b"LXHS\x01\x00", 64, 64, 128, 64, 1).to_wire()
-    reason = pair.sender.answer_offer(9, bad_handshake, DECODE_ENDPOINT, DECODE_SESSION)
+    assert pair.kinds(8) == []  # no nonce to address a REJECT to: upstream's failure tells decode
+    assert pair.sender.refusal(8) == reason
+    bad_handshake = Offer(b"LXHS\x01\x00", 5, 64, 64, 128, 64, 1).to_wire()
+    reason = pair.answer(9, bad_handshake)
     assert isinstance(reason, str) and reason.startswith("cannot read")
-    reason = pair.sender.answer_offer(10, None, DECODE_ENDPOINT, DECODE_SESSION)
+    assert "peer speaks Lynx protocol v1, this server v3" in reason
+    assert [(n.kind, n.nonce) for n in pair.notices if n.room == 9] == [(NoticeKind.REJECT, 5)]
+    reason = pair.answer(10, None)
     assert isinstance(reason, str) and "--lynx" in reason
     assert pair.kinds(10) == []  # a decode without Lynx would not understand a notice
     assert pair.sender.refusal(10) == reason
@@ -792,14 +842,23 @@ def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -
         pair.sender.add_chunk(10, pair.pages(seed=1), True)
 
 
-def test_an_offer_of_the_wrong_size_fails_the_room(pairs: Callable[..., Pair]) -> None:
+def test_an_offer_of_the_wrong_size_is_refused(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
-    offer = pair.offer(12)
-    short = Offer(offer.handshake, offer.anchor_addr, offer.anchor_nbytes - 64, 0, 0, offer.n_tokens)
-    assert pair.sender.answer_offer(12, short.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) == short
-    pair.sender.add_chunk(12, pair.pages(seed=13), True)
-    assert len(pair.failures) == 1 and pair.failures[0][0] == 12
-    assert "decode offered" in pair.failures[0][1]
+    offer = pair.reserve(12)
+    assert offer is not None
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    short = Offer(offer.handshake, offer.nonce, offer.anchor_addr, offer.anchor_nbytes - 64, 0, 0, N_TOKENS)
+    reason = pair.answer(12, short.to_wire())
+    assert reason == (
+        f"decode 10.0.0.2:9000 offered {plan.anchor_nbytes - 64}+0 bytes for {N_TOKENS} tokens, "
+        f"this side sends {plan.anchor_nbytes}+{plan.residual_nbytes}"
+    )
+    assert pair.kinds(12) == [NoticeKind.REJECT]
+    assert (
+        pair.wait_verdict(12, Verdict.FAIL) == f"prefill {PREFILL_ADDR} refused the Lynx transfer: {reason}"
+    )
+    with pytest.raises(ValueError, match="no accepted Lynx offer"):
+        pair.sender.add_chunk(12, pair.pages(seed=13), True)
     assert pair.sender.stats().rooms == 0
     assert pair.backend.written() == []
 
@@ -889,8 +948,361 @@ def test_space_is_kept_while_the_engine_holds_writes(pairs: Callable[..., Pair])
 
 def test_quarantine_expires_when_prefill_never_releases(pairs: Callable[..., Pair]) -> None:
     pair = pairs(quarantine_s=0.0)
-    offer = pair.receiver.reserve(16, N_TOKENS, peer=PREFILL_ADDR)
+    offer = pair.reserve(16)
     assert offer is not None  # never answered: prefill died
     pair.receiver.forget(16)
     stats = pair.receiver.stats()
     assert (stats.quarantined, stats.buffer_used) == (0, 0)
+
+
+# ---- hostile or buggy peers --------------------------------------------------------------------
+
+
+def forged(kind: NoticeKind, room: int, nonce: int, **fields: object) -> list[bytes]:
+    return Notice(kind, room, nonce, **fields).to_frames()  # type: ignore[arg-type]
+
+
+def complete(pair: Pair, room: int, seed: int) -> tuple[Offer, np.ndarray]:
+    """A request of ``room`` sent, decoded and done with its receive space."""
+    offer = pair.offer(room)
+    pages = pair.pages(seed=seed)
+    pair.send(room, offer, pages, [N_TOKENS])
+    pair.wait_verdict(room, Verdict.READY)
+    pair.receiver.write_kv(room, torch.arange(N_TOKENS))
+    pair.receiver.forget(room)
+    pair.wait_released(room)
+    return offer, pages
+
+
+def test_forged_landed_notices_cannot_make_a_request_decode_stale_bytes(pairs: Callable[..., Pair]) -> None:
+    """Room 2 gets the space room 1 used; LANDED(0) notices without its nonce are dropped
+    (old: two of them made room 2 complete, on room 1's bytes); one with its nonce but not
+    the layout's byte count fails it."""
+    pair = pairs()
+    first, _ = complete(pair, 1, seed=30)
+    offer = pair.offer(2)
+    assert offer.anchor_addr == first.anchor_addr and offer.nonce != first.nonce
+    for nonce in (0, first.nonce, offer.nonce ^ 1):
+        for stream in (Stream.ANCHOR, Stream.RESIDUAL):
+            pair.receiver.on_notice(forged(NoticeKind.LANDED, 2, nonce, stream=stream, nbytes=0))
+    assert pair.verdict(2) == (Verdict.WAIT, None)
+    assert pair.receiver.stats().dropped_notices == {"unknown_reservation": 6}
+    report = pair.receiver.report(2)
+    assert report is not None and (report.anchor_bytes, report.residual_bytes) == (0, 0)
+    pair.receiver.on_notice(forged(NoticeKind.LANDED, 2, offer.nonce, stream=Stream.ANCHOR, nbytes=0))
+    verdict, reason = pair.verdict(2)
+    assert verdict is Verdict.FAIL
+    assert reason == (
+        f"prefill {PREFILL_ADDR} reported the Anchor landed with 0 bytes, "
+        f"the request's layout sends {offer.anchor_nbytes}"
+    )
+
+
+def test_a_released_without_the_nonce_does_not_free_live_space(pairs: Callable[..., Pair]) -> None:
+    """Old: a RELEASED naming a live room freed its space at once, and the real prefill's
+    writes then landed in the next request's space."""
+    pair = pairs(backend=CopyBackend(hold=True))
+    offer = pair.offer(3)
+    used = pair.receiver.stats().buffer_used
+    pages = pair.pages(seed=31)
+    pair.send(3, offer, pages, [N_TOKENS])
+    for nonce in (0, offer.nonce + 1):
+        pair.receiver.on_notice(forged(NoticeKind.RELEASED, 3, nonce))
+    assert pair.receiver.stats().dropped_notices == {"unknown_reservation": 2}
+    assert pair.verdict(3) == (Verdict.WAIT, None)
+    pair.receiver.forget(3)  # e.g. the client aborts: the space stays quarantined
+    assert (pair.receiver.stats().quarantined, pair.receiver.stats().buffer_used) == (1, used)
+    assert pair.reserve(4) is not None
+    assert pair.receiver.reserve(4).anchor_addr != offer.anchor_addr  # type: ignore[union-attr]
+    pair.backend.hold.clear()  # the real prefill's writes land where they were meant to
+    pair.wait_released(3)
+    assert pair.receiver.stats().quarantined == 0
+
+
+def test_notices_before_the_offer_or_while_waiting_for_space_are_dropped(pairs: Callable[..., Pair]) -> None:
+    one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
+    pair = pairs(recv_bytes=one + one // 2)
+    pair.receiver.on_notice(forged(NoticeKind.LANDED, 9, 0, nbytes=5))  # before any request of room 9
+    first = pair.offer(1)
+    assert pair.reserve(2) is None  # waiting for space: no nonce yet
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    for stream in (Stream.ANCHOR, Stream.RESIDUAL):
+        n = len(plan.stream_ranges(stream))
+        for nonce in (0, first.nonce):
+            notice = forged(
+                NoticeKind.LANDED,
+                2,
+                nonce,
+                stream=stream,
+                nbytes=plan.sent_nbytes()[stream],
+                checksums=(0,) * n,
+            )
+            pair.receiver.on_notice(notice)
+    pair.receiver.on_notice(forged(NoticeKind.ACCEPT, 2, 0, handshake=pair.handshake.to_wire()))
+    assert pair.receiver.stats().dropped_notices == {"unknown_reservation": 6}
+    pair.send(1, first, pair.pages(seed=32), [N_TOKENS])  # room 1 goes on untouched
+    assert pair.wait_verdict(1, Verdict.READY) is None
+    pair.receiver.write_kv(1, torch.arange(N_TOKENS))
+    pair.receiver.forget(1)
+    offer = pair.receiver.reserve(2)
+    assert offer is not None
+    # Old: the LANDED stored while waiting jumped the request to complete with the ACCEPT.
+    assert pair.answer(2, offer.to_wire()) == offer
+    assert pair.receiver.verdict(2, Upstream.SUCCESS) == (Verdict.WAIT, None)
+
+
+def test_a_duplicate_room_fails_only_the_second_request(pairs: Callable[..., Pair]) -> None:
+    one = request_nbytes(Handshake("full", CodecConfig(), LAYOUT))
+    pair = pairs(recv_bytes=one + one // 2)
+    offer = pair.offer(5)
+    with pytest.raises(
+        DuplicateRoomError, match=r"room 5 \(bootstrap_room\) is already taken by another request"
+    ):
+        pair.receiver.register(5, 300, peer="10.0.0.9:1")
+    assert pair.reserve(6) is None  # waiting for space
+    with pytest.raises(DuplicateRoomError):
+        pair.receiver.register(6, N_TOKENS, peer=PREFILL_ADDR)
+    assert pair.receiver.stats().rooms == 2
+    pages = pair.pages(seed=33)
+    pair.send(5, offer, pages, [N_TOKENS])  # the first request of the room is unaffected
+    assert pair.wait_verdict(5, Verdict.READY) is None
+    dst = torch.arange(N_TOKENS)
+    pair.receiver.write_kv(5, dst)
+    assert_rows_equal(
+        pair.decode_rows(dst),
+        reference_rows(pair.prefill_rows(torch.as_tensor(pages)), CodecConfig(), residual=True),
+    )
+
+
+def test_a_room_reused_after_an_abort_gets_its_own_reservation(pairs: Callable[..., Pair]) -> None:
+    """Quarantine is kept per reservation: the old RELEASED (old nonce) frees the old space
+    and leaves the room's new request alone; two quarantined reservations of one room are
+    both kept. Old: the second overwrote the first (never freed), and the old RELEASED
+    failed the new request."""
+    pair = pairs(backend=CopyBackend(hold=True), quarantine_s=600.0)
+    old = pair.offer(15)
+    pair.send(15, old, pair.pages(seed=34), [N_TOKENS])
+    wait_for(lambda: bool(pair.backend.written()), "a write in the engine")
+    pair.sender.abort(15)
+    pair.receiver.forget(15)
+    pair.sender.close_room(15)
+    new = pair.reserve(15)
+    assert new is not None and new.nonce != old.nonce and new.anchor_addr != old.anchor_addr
+    assert pair.receiver.stats().quarantined == 1
+    pair.receiver.forget(15)  # the new request is aborted too, before any answer
+    assert pair.receiver.stats().quarantined == 2
+    third = pair.reserve(15)
+    assert third is not None
+    pair.backend.hold.clear()
+    pair.wait_released(15)  # the old reservation's, with its nonce
+    wait_for(lambda: pair.receiver.stats().quarantined == 1, "the old quarantine to be freed")
+    assert pair.receiver.verdict(15, Upstream.PENDING) == (Verdict.WAIT, None)
+    wait_for(lambda: pair.sender.stats().rooms == 0, "prefill to let the old room go")
+    assert pair.answer(15, third.to_wire()) == third
+    pages = pair.pages(seed=35)
+    pair.send(15, third, pages, [N_TOKENS])
+    assert pair.wait_verdict(15, Verdict.READY) is None
+
+
+def test_prefill_answers_offers_only_for_its_own_requests(pairs: Callable[..., Pair]) -> None:
+    """Old: prefill answered any offer, for any room, at the address it named."""
+    pair = pairs()
+    offer = pair.reserve(20)
+    assert offer is not None
+    assert pair.sender.take_offer(20, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) is None
+    assert pair.sender.take_offer(21, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) is None
+    assert pair.kinds(20) == pair.kinds(21) == []
+    assert pair.sender.stats().offers_waiting == 2
+    pair.sender.open_room(20)  # the request exists, its length is not known yet
+    assert pair.kinds(20) == []
+    assert pair.sender.size_room(20, N_TOKENS) == offer
+    assert pair.kinds(20) == [NoticeKind.ACCEPT] and pair.notices[-1].nonce == offer.nonce
+    # an offer that comes after the request is sized is answered at once
+    second = pair.reserve(22)
+    assert second is not None
+    pair.sender.open_room(22)
+    assert pair.sender.size_room(22, N_TOKENS) is None
+    assert pair.sender.take_offer(22, second.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) == second
+    # a second offer for a room is dropped, the first answer stands
+    assert pair.sender.take_offer(22, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) is None
+    assert pair.kinds(22) == [NoticeKind.ACCEPT]
+    stats = pair.sender.stats()
+    assert (stats.offers_waiting, stats.dropped_offers) == (1, {"duplicate": 1})
+    assert pair.kinds(21) == []
+
+
+def test_offers_for_rooms_without_a_request_are_bounded(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(offer_wait_s=0.2)
+    offer = pair.reserve(30)
+    assert offer is not None
+    assert pair.sender.take_offer(30, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) is None
+    wait_for(lambda: pair.sender.stats().dropped_offers == {"expired": 1}, "the offer to expire")
+    assert pair.sender.stats().offers_waiting == 0
+    pair.sender.open_room(30)
+    assert pair.sender.size_room(30, N_TOKENS) is None  # nothing left to answer
+    assert "sent no Lynx offer" in (pair.sender.refusal(30) or "")
+    assert pair.kinds(30) == []
+
+    flood = pairs()
+    for room in range(1000, 1000 + 4097):
+        flood.sender.take_offer(room, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)
+    stats = flood.sender.stats()
+    assert (stats.offers_waiting, stats.dropped_offers) == (4096, {"overflow": 1})
+    flood.sender.open_room(1000)  # the oldest went
+    assert flood.sender.size_room(1000, N_TOKENS) is None
+    flood.sender.open_room(1001)
+    assert isinstance(flood.sender.size_room(1001, N_TOKENS), Offer)
+    assert flood.kinds(1000) == []
+
+
+@pytest.mark.parametrize("prefill_tokens", [N_TOKENS - 1, N_TOKENS + 256])
+def test_an_offer_for_another_token_count_is_refused_naming_both(
+    pairs: Callable[..., Pair], prefill_tokens: int
+) -> None:
+    """Old: a smaller count silently truncated what was sent, a larger one was trusted."""
+    pair = pairs()
+    offer = pair.reserve(40)
+    assert offer is not None
+    reason = pair.answer(40, offer.to_wire(), n_tokens=prefill_tokens)
+    assert reason == (
+        f"decode 10.0.0.2:9000 offered space for {N_TOKENS} tokens, this prefill server's "
+        f"request has {prefill_tokens}"
+    )
+    assert pair.kinds(40) == [NoticeKind.REJECT]
+    assert (
+        pair.wait_verdict(40, Verdict.FAIL) == f"prefill {PREFILL_ADDR} refused the Lynx transfer: {reason}"
+    )
+    assert pair.sender.refusal(40) == reason
+
+
+def test_an_absurd_token_count_is_refused_before_anything_is_built(pairs: Callable[..., Pair]) -> None:
+    """Old: 2**40 tokens made prefill build the request's layout for hours."""
+    pair = pairs()
+    offer = pair.reserve(41)
+    assert offer is not None
+    huge = Offer(offer.handshake, offer.nonce, offer.anchor_addr, 1 << 60, 0, 0, 1 << 40)
+    started = time.monotonic()
+    reason = pair.answer(41, huge.to_wire())
+    assert time.monotonic() - started < 1.0
+    assert reason == (
+        f"decode 10.0.0.2:9000 offered space for {1 << 40} tokens, "
+        f"this prefill server's request has {N_TOKENS}"
+    )
+
+
+def test_corrupt_landed_bytes_fail_before_any_kv_row_is_written(pairs: Callable[..., Pair]) -> None:
+    """A changed byte, or garbage INT8 Residual codes, in what landed: the checksum of that
+    segment differs and write_kv writes nothing. Old: decoded into the KV."""
+    pair = pairs(checksums=True)
+    offer = pair.offer(50)
+    pair.send(50, offer, pair.pages(seed=36), [N_TOKENS])
+    pair.wait_verdict(50, Verdict.READY)
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    base = offer.anchor_addr - pair.receive_buffer.data_ptr()
+    space = pair.receive_buffer[base : base + plan.receive_nbytes]
+    seg = plan.segments[1]  # tokens [256, 512)
+    residual = plan.byte_ranges(seg)[1]
+    pristine = space.clone()
+    dst = torch.arange(N_TOKENS)
+    gen = torch.Generator().manual_seed(0)
+    for corrupt in (
+        lambda: space[residual.start + 100].bitwise_xor_(1),
+        lambda: space[residual].copy_(
+            torch.randint(0, 256, (residual.stop - residual.start,), generator=gen)
+        ),
+    ):
+        space.copy_(pristine)
+        corrupt()
+        with pytest.raises(
+            ReceiveIntegrityError, match=r"Residual bytes of tokens \[256, 512\) do not match"
+        ):
+            pair.receiver.write_kv(50, dst)
+        assert all(not k.any() for k in pair.decode_k)  # not one row written
+    space.copy_(pristine)
+    anchor = plan.byte_ranges(plan.segments[2])[0]
+    space[anchor.stop - 1] ^= 0x80
+    with pytest.raises(ReceiveIntegrityError, match=r"room 50: the Anchor bytes of tokens \[512, 600\)"):
+        pair.receiver.write_kv(50, dst)
+    space.copy_(pristine)
+    assert pair.receiver.write_kv(50, dst) is True
+
+
+def test_a_corrupt_residual_fails_the_refinement_of_a_speculating_request(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(checksums=True, mode="speculative", residual_hold_s=0.5)
+    offer = pair.offer(51)
+    pair.send(51, offer, pair.pages(seed=37), [N_TOKENS])
+    pair.wait_verdict(51, Verdict.READY)
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.write_kv(51, dst) is False  # decoding on the Anchor
+    wait_for(lambda: pair.receiver.residual_verdict(51)[0] is Verdict.READY, "the Residual")
+    pair.receive_buffer[offer.residual_addr - pair.receive_buffer.data_ptr()] ^= 1
+    with pytest.raises(ReceiveIntegrityError, match=r"Residual bytes of tokens \[0, 256\)"):
+        pair.receiver.write_kv(51, dst)
+
+
+def play_prefill(pair: Pair, room: int, offer: Offer, space: torch.Tensor) -> None:
+    """A prefill that writes ``space`` (the request's Anchor and Residual regions) into the
+    offered receive space itself and reports it with correct checksums."""
+    plan = RequestLayout.of(pair.handshake, offer.n_tokens)
+    base = offer.anchor_addr - pair.receive_buffer.data_ptr()
+    pair.receive_buffer[base : base + plan.receive_nbytes] = space[: plan.receive_nbytes]
+    pair.receiver.on_notice(forged(NoticeKind.ACCEPT, room, offer.nonce, handshake=pair.handshake.to_wire()))
+    for stream in plan.streams:
+        checksums = checksum_values([span_checksum(space[span]) for _, span in plan.stream_ranges(stream)])
+        nbytes = plan.sent_nbytes()[stream]
+        notice = forged(
+            NoticeKind.LANDED, room, offer.nonce, stream=stream, nbytes=nbytes, checksums=tuple(checksums)
+        )
+        pair.receiver.on_notice(notice)
+
+
+@pytest.mark.parametrize(
+    ("protect", "token", "value"),
+    [
+        ((0, 0), 300, float("nan")),
+        ((16, 0), 3, float("nan")),
+        ((0, 0), 599, float("inf")),
+        ((0, 0), 0, -float("inf")),
+    ],
+)
+def test_a_non_finite_exact_residual_fails_the_request(
+    pairs: Callable[..., Pair], protect: tuple[int, int], token: int, value: float
+) -> None:
+    """Checksums prove the bytes are prefill's, not that they are sane: a NaN word in an
+    exact Residual (here at a protected token, decoded with the Anchor, or not) fails the
+    request before any KV row is written."""
+    codec = CodecConfig(residual="exact")
+    pair = pairs(checksums=True, codec=codec, protect=protect)
+    offer = pair.reserve(60)
+    assert offer is not None
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    slots = torch.as_tensor(pair.pages(seed=38))
+    space = torch.zeros(plan.encoded_nbytes, dtype=torch.uint8)
+    for seg in plan.segments:
+        anchor, residual = plan.byte_ranges(seg)
+        encode_pages(
+            pair.prefill_k, pair.prefill_v, slots[seg.start : seg.end], codec, space[anchor], space[residual]
+        )
+    seg = next(s for s in plan.segments if s.start <= token < s.end)
+    words = space[plan.byte_ranges(seg)[1]].view(torch.bfloat16)
+    words[(token - seg.start) * HEADS * HEAD_DIM + 5] = value  # layer 0 keys, one channel
+    play_prefill(pair, 60, offer, space)
+    assert pair.verdict(60) == (Verdict.READY, None)
+    with pytest.raises(
+        ReceiveIntegrityError, match=rf"exact Residual of tokens \[{seg.start}, {seg.end}\) holds a NaN"
+    ):
+        pair.receiver.write_kv(60, torch.arange(N_TOKENS))
+    assert all(not k.any() for k in pair.decode_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_finite_check_tells_extremes_from_non_finite_words(dtype: torch.dtype) -> None:
+    finfo = torch.finfo(dtype)
+    finite = torch.tensor(
+        [finfo.max, -finfo.max, finfo.tiny, finfo.smallest_normal / 4, 0.0, -0.0, 1.5], dtype=dtype
+    )
+    threshold = _NON_FINITE[dtype][1]
+    assert int(_largest_magnitude(finite.view(torch.uint8), dtype)) < threshold
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        words = torch.cat([finite, torch.tensor([bad], dtype=dtype)])
+        assert int(_largest_magnitude(words.view(torch.uint8), dtype)) >= threshold, bad

@@ -21,7 +21,14 @@ from lynx.transfer.protocol import (
     Stream,
 )
 from lynx.transfer.receive_state import RECEIVE_TRANSITIONS, ReceiveState, ReceiveTracker, Upstream, Verdict
-from lynx.transfer.receiver import ProgressiveReceiver, ReceiveCapacityError, ReceiverStats, RoomReport
+from lynx.transfer.receiver import (
+    DuplicateRoomError,
+    ProgressiveReceiver,
+    ReceiveCapacityError,
+    ReceiveIntegrityError,
+    ReceiverStats,
+    RoomReport,
+)
 from lynx.transfer.sender import ProgressiveSender, SenderStats, page_slots
 
 __all__ = [
@@ -30,6 +37,7 @@ __all__ = [
     "SEGMENT_TOKENS",
     "ArenaError",
     "ByteArena",
+    "DuplicateRoomError",
     "Handshake",
     "Notice",
     "NoticeKind",
@@ -38,6 +46,7 @@ __all__ = [
     "ProgressiveSender",
     "ProtocolError",
     "ReceiveCapacityError",
+    "ReceiveIntegrityError",
     "ReceiveState",
     "ReceiveTracker",
     "ReceiverStats",

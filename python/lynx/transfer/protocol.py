@@ -1,37 +1,67 @@
-"""Lynx's control messages between a prefill and a decode server (protocol v2).
+"""Lynx's control messages between a prefill and a decode server (protocol v3).
 
 SGLang's Mooncake connector already carries, over ZMQ, a per-request metadata message
 from decode to prefill (the room, decode's page ids, the aux slot) and status messages
 from prefill to decode. Lynx adds:
 
 * an **offer**, appended to decode's per-request metadata message as two trailing frames
-  ``[TAG, offer bytes]``: decode's settings handshake, where the request's Anchor and
-  Residual may be written in decode's receive buffer, and how many tokens they cover.
-  Upstream's parser reads frames by position and ignores trailing ones, so a prefill
-  without Lynx still serves the request (and decode notices: no ACCEPT comes back);
+  ``[TAG, offer bytes]``: decode's settings handshake, the reservation's nonce, where the
+  request's Anchor and Residual may be written in decode's receive buffer, and how many
+  tokens they cover. Upstream's parser reads frames by position and ignores trailing
+  ones, so a prefill without Lynx still serves the request (and decode notices: no
+  ACCEPT comes back);
 * **notices** from prefill to decode, each a message ``[TAG, kind, payload]`` on the same
   ZMQ endpoint as upstream's status messages: ``ACCEPT`` (prefill's handshake, it will
   send Lynx bytes), ``REJECT`` (why it will not), ``LANDED`` (one stream of the request
   has settled: every byte landed, or it failed) and ``RELEASED`` (prefill holds no more
   writes in flight to the request's receive space, which decode may then reuse).
 
+**Reservations.** A room (upstream's ``bootstrap_room``) names a request, but a room id is
+only as unique as the peers that chose it, and it is reused. So decode draws a random
+64-bit **nonce** for each reservation of receive space and sends it in the offer; every
+notice echoes the room *and* the nonce, and decode applies a notice only to the live
+reservation with both (any other is dropped and counted: forged, misdirected, or late for
+a reservation that ended). Prefill answers an offer only once it has a request for the
+room, and only when the offer's token count is its own.
+
 Every integer is little-endian. The layouts, pinned by ``test/unit/test_transfer_protocol.py``:
 
 =========  =====================================================================
-handshake  ``<4sBBII`` magic ``b"LXHS"``, PROTOCOL_VERSION (2), mode code (0 full,
-           1 anchor-only, 2 speculative), protect_first, protect_last (tokens);
-           then the codec's ``CodecConfig.to_wire()`` (11 bytes) and
-           ``KVLayout.to_wire()`` (11 bytes): 36 bytes
-offer      ``<H`` handshake length, handshake, ``<QQQQQ`` anchor address, anchor bytes,
-           residual address, residual bytes (0 and 0 in anchor-only mode), tokens
-ACCEPT     ``<Q`` room, handshake
-REJECT     ``<Q`` room, UTF-8 reason
-LANDED     ``<QBBQ`` room, lane (0 Anchor, 1 Residual), ok (1/0), bytes landed; UTF-8 error
-RELEASED   ``<Q`` room
+handshake  ``<4sBBBII`` magic ``b"LXHS"``, PROTOCOL_VERSION (3), mode code (0 full,
+           1 anchor-only, 2 speculative), flags (bit 0: checksums; any other bit set
+           is refused), protect_first, protect_last (tokens); then the codec's
+           ``CodecConfig.to_wire()`` (11 bytes) and ``KVLayout.to_wire()`` (11 bytes):
+           37 bytes
+offer      ``<H`` handshake length, handshake, ``<QQQQQQ`` nonce, anchor address,
+           anchor bytes, residual address, residual bytes (0 and 0 when no Residual
+           stream travels), tokens
+ACCEPT     ``<QQ`` room, nonce, handshake
+REJECT     ``<QQ`` room, nonce, UTF-8 reason
+LANDED     ``<QQBBQI`` room, nonce, stream (0 Anchor, 1 Residual), ok (1/0), bytes
+           landed, checksum count ``n``; ``n`` x ``<I`` the stream's segment checksums
+           (below; ``n`` is 0 when ok is 0 or checksums are off); UTF-8 error
+RELEASED   ``<QQ`` room, nonce
 =========  =====================================================================
 
-v1 (before protected tokens) had the 6-byte head ``<4sBB`` and no protection; a v1
-peer's handshake fails the version check.
+v3 added the nonce, the checksums and the handshake's flags byte; v2 added the
+protected-token counts to the handshake (v1: the 6-byte head ``<4sBB``). Magic, version
+and mode lead the handshake in every version, so an older peer is refused by name
+(``peer speaks Lynx protocol v2``), also from an offer of another version.
+
+**Checksums** (:func:`span_checksum`; only with the handshake's checksums flag, which
+both sides must set alike). The bytes each segment puts on a stream (its Anchor; for a
+protected segment its Anchor and Residual, which sit back to back; an unprotected
+segment's Residual on the Residual stream) are one contiguous range, a multiple of 16
+bytes long. Its checksum, read as little-endian 32-bit words ``w_i``, is
+``sum((2 * (i // 1024) + 1) * w_i) mod 2**32``: a sum of 4 KiB blocks weighted by odd
+block numbers. Prefill computes it as it encodes, on the encoding device (torch ops, one
+pass over each chunk's newly encoded segments, before the lanes read them); decode
+checks every range before it decodes any into the KV pool. Strength: a change of one
+word is always caught (an odd weight times a non-zero difference is non-zero mod
+2**32); random bytes, a stale range left by another request, a lost or repeated write,
+or 4 KiB blocks written at another block's offset pass with probability about 2**-32; a
+permutation of words inside one 4 KiB block passes. It is not a MAC: it catches
+corruption and misplaced or missing bytes, not a prefill that lies on purpose.
 
 The bytes of one request travel as segments, each encoded on its own
 (``lynx.codec.encode_pages``) and placed back to back, Anchor and Residual each in their
@@ -59,27 +89,34 @@ import dataclasses
 import enum
 import itertools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from lynx.codec import CodecConfig, KVLayout, segment_nbytes
 from lynx.codec.format import CONFIG_WIRE_NBYTES
 from lynx.mode import Mode
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 TAG = b"LYNX1"
 SEGMENT_TOKENS = 256
 """Tokens per encoded segment: a multiple of every allowed ``key_block`` (<= 256)."""
+CHECKSUM_BLOCK_WORDS = 1024
+"""32-bit words per weighted block of :func:`span_checksum` (4 KiB)."""
 
 _MODE_CODES: dict[Mode, int] = {Mode.FULL: 0, Mode.ANCHOR_ONLY: 1, Mode.SPECULATIVE: 2}
 # Magic, version and mode lead in every protocol version, so that any peer's version is
 # read and named; what follows is this version's.
 _HANDSHAKE_HEAD = struct.Struct("<4sBB")
-_HANDSHAKE_PROTECTION = struct.Struct("<II")
+_HANDSHAKE_BODY = struct.Struct("<BII")  # flags, protect_first, protect_last
+_FLAG_CHECKSUMS = 0x01
 _HANDSHAKE_MAGIC = b"LXHS"
 _OFFER_HEAD = struct.Struct("<H")
-_OFFER_BODY = struct.Struct("<QQQQQ")
-_ROOM = struct.Struct("<Q")
-_LANDED = struct.Struct("<QBBQ")
+_OFFER_BODY = struct.Struct("<QQQQQQ")
+_RESERVATION = struct.Struct("<QQ")  # room, nonce: the head of every notice
+_LANDED = struct.Struct("<QQBBQI")
+_CHECKSUM = struct.Struct("<I")
 
 
 class ProtocolError(ValueError):
@@ -109,6 +146,9 @@ class Handshake:
     # Anchor (``RequestLayout``); both sides must cut requests alike, so they are paired.
     protect_first: int = 0
     protect_last: int = 0
+    # LANDED carries a checksum of each segment, checked before decoding: one side cannot
+    # check what the other does not send, so it is paired too.
+    checksums: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))  # frozen; a name is accepted
@@ -119,25 +159,22 @@ class Handshake:
 
     def to_wire(self) -> bytes:
         head = _HANDSHAKE_HEAD.pack(_HANDSHAKE_MAGIC, PROTOCOL_VERSION, _MODE_CODES[self.mode])
-        protection = _HANDSHAKE_PROTECTION.pack(self.protect_first, self.protect_last)
-        return head + protection + self.codec.to_wire() + self.layout.to_wire()
+        flags = _FLAG_CHECKSUMS if self.checksums else 0
+        body = _HANDSHAKE_BODY.pack(flags, self.protect_first, self.protect_last)
+        return head + body + self.codec.to_wire() + self.layout.to_wire()
 
     @classmethod
     def from_wire(cls, data: bytes) -> Handshake:
-        size = _HANDSHAKE_HEAD.size + _HANDSHAKE_PROTECTION.size
-        if len(data) < _HANDSHAKE_HEAD.size:
-            raise ProtocolError(f"Lynx handshake is {len(data)} bytes, too short")
-        magic, version, mode = _HANDSHAKE_HEAD.unpack_from(data)
-        if magic != _HANDSHAKE_MAGIC:
-            raise ProtocolError(f"not a Lynx handshake (magic {magic!r})")
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer speaks Lynx protocol v{version}, this server v{PROTOCOL_VERSION}")
+        size = _HANDSHAKE_HEAD.size + _HANDSHAKE_BODY.size
+        mode = _handshake_mode_code(data)
         modes = {code: name for name, code in _MODE_CODES.items()}
         if mode not in modes:
             raise ProtocolError(f"unknown Lynx mode code {mode}")
         if len(data) < size:
             raise ProtocolError(f"Lynx handshake is {len(data)} bytes, too short")
-        protect_first, protect_last = _HANDSHAKE_PROTECTION.unpack_from(data, _HANDSHAKE_HEAD.size)
+        flags, protect_first, protect_last = _HANDSHAKE_BODY.unpack_from(data, _HANDSHAKE_HEAD.size)
+        if flags & ~_FLAG_CHECKSUMS:
+            raise ProtocolError(f"unknown Lynx handshake flags {flags:#04x}")
         codec_wire = data[size : size + CONFIG_WIRE_NBYTES]
         layout_wire = data[size + CONFIG_WIRE_NBYTES :]
         return cls(
@@ -146,6 +183,7 @@ class Handshake:
             KVLayout.from_wire(layout_wire),
             protect_first,
             protect_last,
+            bool(flags & _FLAG_CHECKSUMS),
         )
 
     def describe(self) -> str:
@@ -154,6 +192,7 @@ class Handshake:
             f"mode={self.mode} anchor_bits={c.anchor_bits} group_size={c.group_size} "
             f"residual={c.residual} key_layout={c.key_layout} key_block={c.key_block} "
             f"protect_first={self.protect_first} protect_last={self.protect_last} "
+            f"checksums={'on' if self.checksums else 'off'} "
             f"kv=[{lay.num_layers} layers x {lay.num_kv_heads} heads x {lay.head_dim}, "
             f"{str(lay.dtype).removeprefix('torch.')}]"
         )
@@ -169,6 +208,23 @@ class Handshake:
         )
 
 
+def _handshake_mode_code(data: bytes) -> int:
+    """The mode code of a handshake of this protocol version; ProtocolError naming the
+    peer's version otherwise (the head is the same in every version)."""
+    if len(data) < _HANDSHAKE_HEAD.size:
+        raise ProtocolError(f"Lynx handshake is {len(data)} bytes, too short")
+    magic, version, mode = _HANDSHAKE_HEAD.unpack_from(data)
+    if magic != _HANDSHAKE_MAGIC:
+        raise ProtocolError(f"not a Lynx handshake (magic {magic!r})")
+    if version != PROTOCOL_VERSION:
+        raise _version_error(version)
+    return int(mode)
+
+
+def _version_error(version: int) -> ProtocolError:
+    return ProtocolError(f"peer speaks Lynx protocol v{version}, this server v{PROTOCOL_VERSION}")
+
+
 def parse_handshake(data: bytes) -> Handshake:
     """``Handshake.from_wire``, with the codec's own errors as ProtocolError."""
     try:
@@ -181,9 +237,11 @@ def parse_handshake(data: bytes) -> Handshake:
 
 @dataclass(frozen=True)
 class Offer:
-    """Decode's receive space for one request, appended to its metadata message."""
+    """Decode's receive space for one request, appended to its metadata message.
+    ``nonce`` names the reservation: prefill echoes it in every notice."""
 
     handshake: bytes
+    nonce: int
     anchor_addr: int
     anchor_nbytes: int
     residual_addr: int
@@ -192,7 +250,12 @@ class Offer:
 
     def to_wire(self) -> bytes:
         body = _OFFER_BODY.pack(
-            self.anchor_addr, self.anchor_nbytes, self.residual_addr, self.residual_nbytes, self.n_tokens
+            self.nonce,
+            self.anchor_addr,
+            self.anchor_nbytes,
+            self.residual_addr,
+            self.residual_nbytes,
+            self.n_tokens,
         )
         return _OFFER_HEAD.pack(len(self.handshake)) + self.handshake + body
 
@@ -200,13 +263,17 @@ class Offer:
     def from_wire(cls, data: bytes) -> Offer:
         try:
             (n,) = _OFFER_HEAD.unpack_from(data)
-            handshake = data[_OFFER_HEAD.size : _OFFER_HEAD.size + n]
-            body = data[_OFFER_HEAD.size + n :]
-            if len(handshake) != n or len(body) != _OFFER_BODY.size:
-                raise struct.error("length")
-            return cls(handshake, *_OFFER_BODY.unpack(body))
         except struct.error:
             raise ProtocolError(f"malformed Lynx offer ({len(data)} bytes)") from None
+        handshake = data[_OFFER_HEAD.size : _OFFER_HEAD.size + n]
+        body = data[_OFFER_HEAD.size + n :]
+        if len(handshake) != n or len(body) != _OFFER_BODY.size:
+            if len(handshake) == n and len(handshake) >= _HANDSHAKE_HEAD.size:
+                magic, version, _ = _HANDSHAKE_HEAD.unpack_from(handshake)
+                if magic == _HANDSHAKE_MAGIC and version != PROTOCOL_VERSION:
+                    raise _version_error(version)  # another version's offer: name it
+            raise ProtocolError(f"malformed Lynx offer ({len(data)} bytes)")
+        return cls(handshake, *_OFFER_BODY.unpack(body))
 
     def spans(self) -> list[tuple[int, int]]:
         """Decode's (address, length) spans granted to this request."""
@@ -229,27 +296,33 @@ def split_offer(frames: list[bytes]) -> tuple[list[bytes], bytes | None]:
 
 @dataclass(frozen=True)
 class Notice:
-    """A prefill -> decode message about one request."""
+    """A prefill -> decode message about one reservation: ``room`` and the offer's
+    ``nonce``."""
 
     kind: NoticeKind
     room: int
+    nonce: int
     handshake: bytes = b""  # ACCEPT
     text: str = ""  # REJECT reason, LANDED error
     stream: Stream = Stream.ANCHOR  # LANDED
     ok: bool = True  # LANDED
     nbytes: int = 0  # LANDED
+    checksums: tuple[int, ...] = ()  # LANDED: span_checksum of each of the stream's segments
 
     def to_frames(self) -> list[bytes]:
+        head = _RESERVATION.pack(self.room, self.nonce)
         if self.kind is NoticeKind.ACCEPT:
-            payload = _ROOM.pack(self.room) + self.handshake
+            payload = head + self.handshake
         elif self.kind is NoticeKind.REJECT:
-            payload = _ROOM.pack(self.room) + self.text.encode()
+            payload = head + self.text.encode()
         elif self.kind is NoticeKind.LANDED:
-            payload = (
-                _LANDED.pack(self.room, int(self.stream), int(self.ok), self.nbytes) + self.text.encode()
+            landed = _LANDED.pack(
+                self.room, self.nonce, int(self.stream), int(self.ok), self.nbytes, len(self.checksums)
             )
+            checksums = b"".join(_CHECKSUM.pack(c) for c in self.checksums)
+            payload = landed + checksums + self.text.encode()
         else:
-            payload = _ROOM.pack(self.room)
+            payload = head
         return [TAG, self.kind.value, payload]
 
     @classmethod
@@ -263,18 +336,31 @@ class Notice:
         payload = frames[2]
         try:
             if kind is NoticeKind.LANDED:
-                room, stream, ok, nbytes = _LANDED.unpack_from(payload)
-                text = payload[_LANDED.size :].decode()
-                return cls(kind, room, text=text, stream=Stream(stream), ok=bool(ok), nbytes=nbytes)
-            (room,) = _ROOM.unpack_from(payload)
-            rest = payload[_ROOM.size :]
+                room, nonce, stream, ok, nbytes, count = _LANDED.unpack_from(payload)
+                end = _LANDED.size + count * _CHECKSUM.size
+                if len(payload) < end:
+                    raise struct.error("checksums beyond the payload")
+                checksums = tuple(c for (c,) in _CHECKSUM.iter_unpack(payload[_LANDED.size : end]))
+                text = payload[end:].decode()
+                return cls(
+                    kind,
+                    room,
+                    nonce,
+                    text=text,
+                    stream=Stream(stream),
+                    ok=bool(ok),
+                    nbytes=nbytes,
+                    checksums=checksums,
+                )
+            room, nonce = _RESERVATION.unpack_from(payload)
+            rest = payload[_RESERVATION.size :]
         except (struct.error, ValueError, UnicodeDecodeError):
             raise ProtocolError(f"malformed Lynx {kind.name} notice") from None
         if kind is NoticeKind.ACCEPT:
-            return cls(kind, room, handshake=rest)
+            return cls(kind, room, nonce, handshake=rest)
         if kind is NoticeKind.REJECT:
-            return cls(kind, room, text=rest.decode(errors="replace"))
-        return cls(kind, room)
+            return cls(kind, room, nonce, text=rest.decode(errors="replace"))
+        return cls(kind, room, nonce)
 
 
 def is_notice(frames: list[bytes]) -> bool:
@@ -327,18 +413,11 @@ class RequestLayout:
         protect_first: int = 0,
         protect_last: int = 0,
     ) -> None:
-        if n_tokens <= 0:
-            raise ValueError(f"a Lynx transfer needs at least one token, got {n_tokens}")
         self.n_tokens = n_tokens
         self.mode = mode
-        # Per-channel key groups span key_block tokens from a segment's start. Bounds on
-        # that grid (counted from the request's start) keep every unprotected token in the
-        # key group, so at the Anchor value, it has with nothing protected, and add no
-        # partial group.
-        block = config.key_block if config.key_layout == "per_channel" else 1
-        until = min(n_tokens, -(-protect_first // block) * block)
-        since = max(0, (n_tokens - protect_last) // block * block) if protect_last else n_tokens
-        self.protect_until, self.protect_from = (until, since) if until < since else (n_tokens, n_tokens)
+        self.protect_until, self.protect_from = _protected_bounds(
+            config, n_tokens, protect_first, protect_last
+        )
         cuts = sorted(
             {*range(0, n_tokens, SEGMENT_TOKENS), self.protect_until, self.protect_from} - {n_tokens}
         )
@@ -369,6 +448,27 @@ class RequestLayout:
             protect_last=handshake.protect_last,
         )
 
+    @staticmethod
+    def sent_nbytes_of(handshake: Handshake, n_tokens: int) -> dict[Stream, int]:
+        """What :meth:`sent_nbytes` of ``RequestLayout.of(handshake, n_tokens)`` is, by
+        arithmetic: a few ``segment_nbytes`` calls whatever ``n_tokens`` is, and nothing
+        allocated, so that a peer's count can be checked before any layout is built."""
+        config, layout = handshake.codec, handshake.layout
+        until, since = _protected_bounds(config, n_tokens, handshake.protect_first, handshake.protect_last)
+
+        def nbytes(start: int, end: int) -> tuple[int, int]:
+            """(Anchor, Residual) bytes of the segments of tokens [start, end)."""
+            total = [0, 0]
+            for length, count in _segment_lengths(start, end):
+                for i, part in enumerate(segment_nbytes(layout, length, config)):
+                    total[i] += count * part
+            return total[0], total[1]
+
+        head, middle, tail = nbytes(0, until), nbytes(until, since), nbytes(since, n_tokens)
+        anchor = sum(head) + middle[0] + sum(tail)
+        sends_residual = handshake.mode.sends_residual and until < n_tokens
+        return {Stream.ANCHOR: anchor, Stream.RESIDUAL: middle[1] if sends_residual else 0}
+
     @property
     def protects_all(self) -> bool:
         """Every token is protected: the Anchor stream alone brings full precision."""
@@ -389,6 +489,10 @@ class RequestLayout:
     @property
     def sent_residual_nbytes(self) -> int:
         return self.residual_nbytes if Stream.RESIDUAL in self.streams else 0
+
+    def sent_nbytes(self) -> dict[Stream, int]:
+        """Bytes on each stream, 0 for one that does not travel."""
+        return {Stream.ANCHOR: self.anchor_nbytes, Stream.RESIDUAL: self.sent_residual_nbytes}
 
     @property
     def encoded_nbytes(self) -> int:
@@ -413,15 +517,76 @@ class RequestLayout:
         )
 
     def sent_ranges(self, seg: Segment) -> list[tuple[Stream, slice]]:
-        """The bytes of ``seg`` that travel: (stream, range in the request's space)."""
-        streams = (Stream.ANCHOR, seg.residual_stream)
-        return [(s, r) for s, r in zip(streams, self.byte_ranges(seg), strict=True) if s in self.streams]
+        """The bytes of ``seg`` that travel, one contiguous range per stream (a protected
+        segment's Residual follows its Anchor): (stream, range in the request's space)."""
+        anchor, residual = self.byte_ranges(seg)
+        if seg.protected:
+            return [(Stream.ANCHOR, slice(anchor.start, residual.stop))]
+        ranges = [(Stream.ANCHOR, anchor)]
+        if Stream.RESIDUAL in self.streams:
+            ranges.append((Stream.RESIDUAL, residual))
+        return ranges
+
+    def stream_ranges(self, stream: Stream) -> list[tuple[Segment, slice]]:
+        """Each segment's range on ``stream``, in order: what one checksum covers."""
+        return [(seg, span) for seg in self.segments for s, span in self.sent_ranges(seg) if s is stream]
 
     def ready(self, tokens_available: int, *, last: bool) -> list[Segment]:
         """Segments wholly inside the first ``tokens_available`` tokens (all if last)."""
         if last:
             return list(self.segments)
         return [s for s in self.segments if s.end <= tokens_available]
+
+
+def _protected_bounds(config: CodecConfig, n_tokens: int, first: int, last: int) -> tuple[int, int]:
+    """(protect_until, protect_from) of a request: see :class:`RequestLayout`."""
+    if n_tokens <= 0:
+        raise ValueError(f"a Lynx transfer needs at least one token, got {n_tokens}")
+    # Per-channel key groups span key_block tokens from a segment's start. Bounds on
+    # that grid (counted from the request's start) keep every unprotected token in the
+    # key group, so at the Anchor value, it has with nothing protected, and add no
+    # partial group.
+    block = config.key_block if config.key_layout == "per_channel" else 1
+    until = min(n_tokens, -(-first // block) * block)
+    since = max(0, (n_tokens - last) // block * block) if last else n_tokens
+    return (until, since) if until < since else (n_tokens, n_tokens)
+
+
+def _segment_lengths(start: int, end: int) -> list[tuple[int, int]]:
+    """(length, how many) of the segments that tokens [start, end) are cut into at every
+    multiple of SEGMENT_TOKENS: a head up to the first multiple, whole segments, a tail."""
+    if start >= end:
+        return []
+    head_end = min(end, -(-start // SEGMENT_TOKENS) * SEGMENT_TOKENS)
+    whole_end = max(head_end, end // SEGMENT_TOKENS * SEGMENT_TOKENS)
+    pieces = [(head_end - start, 1), (SEGMENT_TOKENS, (whole_end - head_end) // SEGMENT_TOKENS)]
+    pieces.append((end - whole_end, 1))
+    return [(length, count) for length, count in pieces if length and count]
+
+
+def span_checksum(span: torch.Tensor) -> torch.Tensor:
+    """The checksum of a range of bytes (module docstring), as a 0-dim int32 tensor on
+    the range's device: torch ops only, no synchronisation. :func:`checksum_values`
+    turns a batch of them into the wire's u32 values."""
+    if span.numel() % 4:
+        raise ValueError(f"a checksummed range is a whole number of 32-bit words, got {span.numel()} bytes")
+    words = span.view(torch.int32)
+    blocks = words.numel() // CHECKSUM_BLOCK_WORDS
+    whole = words[: blocks * CHECKSUM_BLOCK_WORDS].view(blocks, CHECKSUM_BLOCK_WORDS)
+    # int32 arithmetic wraps: everything below is mod 2**32, as specified.
+    odd = torch.arange(1, 2 * blocks + 1, 2, dtype=torch.int32, device=span.device)
+    total = (whole.sum(1, dtype=torch.int32) * odd).sum(dtype=torch.int32)
+    rest = words[blocks * CHECKSUM_BLOCK_WORDS :]
+    if rest.numel():
+        total = total + (2 * blocks + 1) * rest.sum(dtype=torch.int32)
+    return total
+
+
+def checksum_values(checksums: Sequence[torch.Tensor]) -> list[int]:
+    """The u32 values of :func:`span_checksum` results (one device-to-host copy)."""
+    if not checksums:
+        return []
+    return [value & 0xFFFFFFFF for value in torch.stack(list(checksums)).tolist()]
 
 
 def protection_cost(handshake: Handshake, n_tokens: int) -> tuple[int, int]:

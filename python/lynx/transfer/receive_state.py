@@ -15,9 +15,14 @@ States (``RECEIVE_TRANSITIONS`` is the whole machine, pinned by a test)::
 ``WAITING_SPACE``: no receive space free yet, the metadata message is held back (the
 request waits, it does not fail). ``OFFERED``: metadata and offer are out. ``ACCEPTED``:
 prefill agreed on the settings. ``ANCHOR_READY``/``COMPLETE``: the Anchor / every stream
-the request's transfer sends (``RequestLayout.streams``) landed. A request is READY (its
-bytes go into the KV pool) once upstream says ``Success`` and it reached ``ANCHOR_READY``
-(modes that start on the Anchor) or ``COMPLETE`` (``full``).
+the request's transfer sends (``RequestLayout.streams``) landed: prefill reported exactly
+the bytes the request's layout puts on the stream, with one checksum per segment when
+the handshake says so (none otherwise). A
+request is READY (its bytes go into the KV pool) once upstream says ``Success`` and it
+reached ``ANCHOR_READY`` (modes that start on the Anchor) or ``COMPLETE`` (``full``).
+
+The tracker trusts that the notices it is given are this reservation's (the receiver
+drops any other); it checks what they say against the request's layout.
 """
 
 from __future__ import annotations
@@ -26,7 +31,15 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from lynx.transfer.protocol import Handshake, Notice, NoticeKind, ProtocolError, Stream, parse_handshake
+from lynx.transfer.protocol import (
+    Handshake,
+    Notice,
+    NoticeKind,
+    ProtocolError,
+    RequestLayout,
+    Stream,
+    parse_handshake,
+)
 
 
 class ReceiveState(enum.Enum):
@@ -56,6 +69,9 @@ class Upstream(enum.Enum):
     FAILED = "failed"
 
 
+STREAM_NAMES = {Stream.ANCHOR: "Anchor", Stream.RESIDUAL: "Residual"}
+
+
 class Verdict(enum.Enum):
     WAIT = "wait"
     READY = "ready"  # write the landed bytes into the KV pool
@@ -69,10 +85,11 @@ class ReceiveTracker:
     room: int
     local: Handshake
     deadline_s: float
-    streams: tuple[Stream, ...]  # what this request's transfer sends (RequestLayout.streams)
+    plan: RequestLayout  # what this request's transfer sends
     state: ReceiveState = ReceiveState.WAITING_SPACE
     error: str | None = None
     landed: dict[Stream, int] = field(default_factory=dict)  # stream -> bytes
+    checksums: dict[Stream, tuple[int, ...]] = field(default_factory=dict)  # stream -> one per segment
     offered_at: float | None = None
     landed_at: dict[Stream, float] = field(default_factory=dict)
     upstream_success_at: float | None = None
@@ -111,18 +128,35 @@ class ReceiveTracker:
                 self.move(ReceiveState.ACCEPTED)
                 self._advance()  # a LANDED may have come first
         elif notice.kind is NoticeKind.LANDED:
+            name = STREAM_NAMES[notice.stream]
             if not notice.ok:
-                name = "Anchor" if notice.stream is Stream.ANCHOR else "Residual"
                 self.fail(f"prefill {peer} could not deliver the {name}: {notice.text}")
                 return
+            wrong = self._landed_mismatch(notice)
+            if wrong is not None:
+                self.fail(f"prefill {peer} reported the {name} landed with {wrong}")
+                return
             self.landed[notice.stream] = notice.nbytes
+            self.checksums[notice.stream] = notice.checksums
             self.landed_at[notice.stream] = now
             self._advance()
+
+    def _landed_mismatch(self, notice: Notice) -> str | None:
+        """How a LANDED notice disagrees with the request's layout, or None."""
+        if notice.stream not in self.plan.streams:
+            return "a stream this request does not send"
+        expected = self.plan.sent_nbytes()[notice.stream]
+        if notice.nbytes != expected:
+            return f"{notice.nbytes} bytes, the request's layout sends {expected}"
+        wanted = len(self.plan.stream_ranges(notice.stream)) if self.local.checksums else 0
+        if len(notice.checksums) != wanted:
+            return f"{len(notice.checksums)} checksums, this side wants {wanted}"
+        return None
 
     def _advance(self) -> None:
         if self.state is ReceiveState.ACCEPTED and Stream.ANCHOR in self.landed:
             self.move(ReceiveState.ANCHOR_READY)
-        if self.state is ReceiveState.ANCHOR_READY and all(s in self.landed for s in self.streams):
+        if self.state is ReceiveState.ANCHOR_READY and all(s in self.landed for s in self.plan.streams):
             self.move(ReceiveState.COMPLETE)
 
     def verdict(self, upstream: Upstream, now: float | None = None) -> Verdict:

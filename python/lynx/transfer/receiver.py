@@ -4,19 +4,33 @@ prefill reports about it, and decode the landed bytes into the request's KV page
 Threads: :meth:`ProgressiveReceiver.on_notice` runs on the server's message thread; every
 other method on the scheduler thread, which alone writes the KV pool.
 
+Each reservation of receive space gets a random nonce, sent in the offer; a notice is
+applied only to the live reservation of its room *and* nonce. Any other is dropped and
+counted (:attr:`ReceiverStats.dropped_notices`): forged, misdirected, sent before the
+offer, or for a request still waiting for space. Late notices of a reservation that
+ended are expected and dropped silently.
+
 Receive space is reused only when no write to it can still arrive: right after decoding
 if every stream the request's transfer sends has landed, otherwise (a failed or aborted
-request) once prefill says ``RELEASED``, or after ``quarantine_s`` if it never does (a
-dead prefill writes nothing more).
+request) once prefill says ``RELEASED`` with the reservation's nonce, or after
+``quarantine_s`` if it never does (a dead prefill writes nothing more). Quarantine is
+kept per reservation, so a room reused by a later request neither frees nor loses it.
+
+Before landed bytes go into the KV pool, every segment range they come from is checked
+against the checksum prefill sent for it (:func:`lynx.transfer.protocol.span_checksum`;
+with the handshake's checksums flag), and an ``exact`` Residual must hold finite words
+only.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,13 +44,18 @@ from lynx.transfer.protocol import (
     Offer,
     ProtocolError,
     RequestLayout,
+    Segment,
     Stream,
     append_offer,
+    checksum_values,
     is_notice,
+    span_checksum,
 )
-from lynx.transfer.receive_state import ReceiveState, ReceiveTracker, Upstream, Verdict
+from lynx.transfer.receive_state import STREAM_NAMES, ReceiveState, ReceiveTracker, Upstream, Verdict
 
 log = logging.getLogger(__name__)
+
+_ENDED_KEPT = 1 << 16  # ended reservations remembered, so that their late notices are not "unknown"
 
 
 @dataclass(frozen=True)
@@ -58,14 +77,16 @@ class ReceiverStats:
     buffer_used: int
     anchor_bytes: int
     residual_bytes: int
+    # reason ("malformed", "unknown_reservation") -> notices dropped since start
+    dropped_notices: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Room:
     tracker: ReceiveTracker
-    n_tokens: int
     peer: str  # the prefill server, for error messages
-    plan: RequestLayout | None = None
+    plan: RequestLayout
+    nonce: int | None = None  # drawn with the receive space
     offset: int | None = None
     offer: Offer | None = None  # what the request's metadata message carries to prefill
     decoded: bool = False  # at least the Anchor is in the KV pages
@@ -75,6 +96,16 @@ class _Room:
 
 class ReceiveCapacityError(ValueError):
     """A request needs more receive space than the whole buffer has: it could never start."""
+
+
+class DuplicateRoomError(ValueError):
+    """A second request for a room that already has a live reservation. The second request
+    fails; the first keeps its reservation."""
+
+
+class ReceiveIntegrityError(ValueError):
+    """Landed bytes that must not reach the KV pool: a segment whose checksum differs from
+    prefill's, or a non-finite word in an ``exact`` Residual."""
 
 
 class ProgressiveReceiver:
@@ -87,53 +118,70 @@ class ProgressiveReceiver:
         handshake: Handshake,
         deadline_s: float,
         quarantine_s: float | None = None,
+        on_dropped: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_dropped(reason)`` is called (on the message thread) for each notice dropped."""
         self._arena = arena_over(buffer, "receive")
         self.handshake = handshake
         self._buffer = buffer
         self._k, self._v = list(k_buffers), list(v_buffers)
         self._deadline_s = deadline_s
         self._quarantine_s = 2 * deadline_s if quarantine_s is None else quarantine_s
+        self._on_dropped = on_dropped
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
-        self._quarantine: dict[int, tuple[int, float]] = {}  # room -> (offset, expiry)
+        # reservation (room, nonce) -> (offset, expiry)
+        self._quarantine: dict[tuple[int, int], tuple[int, float]] = {}
+        self._ended: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._dropped: dict[str, int] = {}
         self._landed_bytes = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
 
     @property
     def mode(self) -> Mode:
         return self.handshake.mode
 
-    def reserve(self, room: int, n_tokens: int, peer: str) -> Offer | None:
-        """Receive space for the request's ``n_tokens`` tokens, as the offer to send with
-        its metadata to prefill ``peer``; None while no space is free (call again later).
-        Raises ReceiveCapacityError if it needs more than the whole buffer."""
-        self._expire_quarantine()
+    def register(self, room: int, n_tokens: int, peer: str) -> None:
+        """Take the request of ``room`` (``n_tokens`` tokens, from prefill ``peer``), then
+        :meth:`reserve` its space. Raises DuplicateRoomError if another request holds the
+        room, ReceiveCapacityError if it needs more than the whole buffer."""
         plan = RequestLayout.of(self.handshake, n_tokens)
+        if self._arena.rounded(plan.receive_nbytes) > self._arena.capacity:
+            raise ReceiveCapacityError(
+                f"a request of {n_tokens} tokens needs {plan.receive_nbytes} bytes of "
+                f"receive space, more than the whole buffer ({self._arena.capacity} bytes): "
+                "raise --lynx-buffer-bytes on the decode server"
+            )
         with self._lock:
-            state = self._rooms.get(room)
-            if state is not None and state.offset is not None:
-                raise ValueError(f"room {room} already has receive space")
-            if self._arena.rounded(plan.receive_nbytes) > self._arena.capacity:
-                raise ReceiveCapacityError(
-                    f"a request of {n_tokens} tokens needs {plan.receive_nbytes} bytes of "
-                    f"receive space, more than the whole buffer ({self._arena.capacity} bytes): "
-                    "raise --lynx-buffer-bytes on the decode server"
+            if room in self._rooms:
+                raise DuplicateRoomError(
+                    f"room {room} (bootstrap_room) is already taken by another request on this "
+                    "decode server: each request needs its own room"
                 )
-            if state is None:
-                tracker = ReceiveTracker(room, self.handshake, self._deadline_s, plan.streams)
-                state = self._rooms[room] = _Room(tracker, n_tokens, peer)
+            tracker = ReceiveTracker(room, self.handshake, self._deadline_s, plan)
+            self._rooms[room] = _Room(tracker, peer, plan)
+
+    def reserve(self, room: int) -> Offer | None:
+        """Receive space for the registered request of ``room``, as the offer to send with
+        its metadata; None while no space is free (call again later)."""
+        self._expire_quarantine()
+        with self._lock:
+            state = self._rooms[room]
+            if state.offer is not None:
+                return state.offer
+            plan = state.plan
             offset = self._arena.allocate(plan.receive_nbytes)
             if offset is None:
                 return None
             base = self._buffer.data_ptr() + offset
-            state.plan, state.offset = plan, offset
+            state.offset, state.nonce = offset, secrets.randbits(64)
             state.offer = Offer(
                 self.handshake.to_wire(),
+                state.nonce,
                 base,
                 plan.anchor_nbytes,
                 base + plan.anchor_nbytes if plan.sent_residual_nbytes else 0,
                 plan.sent_residual_nbytes,
-                n_tokens,
+                plan.n_tokens,
             )
             state.tracker.offered()
             return state.offer
@@ -153,32 +201,49 @@ class ProgressiveReceiver:
         self.on_notice(frames)
         return True
 
-    def knows(self, room: int) -> bool:
-        with self._lock:
-            return room in self._rooms
-
     def on_notice(self, frames: list[bytes]) -> None:
         try:
             notice = Notice.from_frames(frames)
         except ProtocolError as exc:
             log.warning("Lynx: dropping a notice: %s", exc)
+            self._drop("malformed")
             return
+        reservation = (notice.room, notice.nonce)
         with self._lock:
+            state = self._rooms.get(notice.room)
+            live = state is not None and state.nonce == notice.nonce
             if notice.kind is NoticeKind.RELEASED:
-                held = self._quarantine.pop(notice.room, None)
+                held = self._quarantine.pop(reservation, None)
                 if held is not None:
                     self._arena.free(held[0])
-                state = self._rooms.get(notice.room)
-                if state is not None:
+                if held is not None or reservation in self._ended:
+                    self._ended.pop(reservation, None)
+                    return  # the last word on a reservation that ended
+                if live:
+                    assert state is not None
                     state.released = True
                     state.tracker.fail(f"prefill {state.peer} gave the request up before it landed")
+                    return
+            elif live:
+                assert state is not None
+                tracker = state.tracker
+                landed = notice.kind is NoticeKind.LANDED and notice.stream not in tracker.landed
+                tracker.on_notice(notice, state.peer)
+                if landed and notice.stream in tracker.landed:
+                    self._landed_bytes[notice.stream] += notice.nbytes
                 return
-            state = self._rooms.get(notice.room)
-            if state is None:
-                return
-            state.tracker.on_notice(notice, state.peer)
-            if notice.kind is NoticeKind.LANDED and notice.ok:
-                self._landed_bytes[notice.stream] += notice.nbytes
+            elif reservation in self._ended:
+                return  # late for a request that ended
+        log.debug(
+            "Lynx: dropping a %s notice for room %s: no such reservation", notice.kind.name, notice.room
+        )
+        self._drop("unknown_reservation")
+
+    def _drop(self, reason: str) -> None:
+        with self._lock:
+            self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        if self._on_dropped is not None:
+            self._on_dropped(reason)
 
     def verdict(self, room: int, upstream: Upstream) -> tuple[Verdict, str | None]:
         """(what to do, the failure reason when FAIL)."""
@@ -205,19 +270,28 @@ class ProgressiveReceiver:
         Anchor and Residual once both landed; protected tokens (``RequestLayout``) at full
         precision from the start. Speculative mode calls it again after the Residual
         landed, which rewrites the unprotected rows at full precision. Returns whether
-        every row now holds its full-precision (Anchor + Residual) value."""
+        every row now holds its full-precision (Anchor + Residual) value. Raises
+        ReceiveIntegrityError, before any row is written, if the bytes to decode are not
+        the ones prefill checksummed (with checksums on) or an ``exact`` Residual holds a
+        non-finite word."""
         with self._lock:
             state = self._rooms[room]
             plan, offset = state.plan, state.offset
-            assert plan is not None and offset is not None
+            assert offset is not None
             landed = Stream.RESIDUAL in plan.streams and state.tracker.state is ReceiveState.COMPLETE
             if state.refined or (state.decoded and not landed):
                 return state.refined
             rewrite = state.decoded
+            checksums = dict(state.tracker.checksums)
         if slots.numel() != plan.n_tokens:
             raise ValueError(f"room {room}: {slots.numel()} KV slots for {plan.n_tokens} tokens")
         slots = slots.to(self._k[0].device)
         space = self._buffer[offset : offset + plan.receive_nbytes]
+        # The Anchor stream is decoded once (with the protected tokens' Residual), the
+        # Residual stream once it landed.
+        wanted = {Stream.ANCHOR: not rewrite, Stream.RESIDUAL: landed}
+        streams = [stream for stream in plan.streams if wanted[stream]]
+        self._check_landed(room, plan, space, streams, checksums)
         for seg in plan.segments:
             if seg.protected and rewrite:
                 continue  # at full precision since the Anchor landed
@@ -236,6 +310,45 @@ class ProgressiveReceiver:
             state.refined = refined
         return refined
 
+    def _check_landed(
+        self,
+        room: int,
+        plan: RequestLayout,
+        space: torch.Tensor,
+        streams: list[Stream],
+        checksums: dict[Stream, tuple[int, ...]],
+    ) -> None:
+        """Raise ReceiveIntegrityError unless the ranges of ``streams`` match prefill's
+        checksums (with the handshake's checksums flag) and, with an ``exact`` Residual,
+        the Residual words in them are finite."""
+        exact = self.handshake.codec.residual == "exact"
+        magnitudes: list[tuple[Segment, torch.Tensor]] = []
+        for stream in streams:
+            ranges = plan.stream_ranges(stream)
+            if self.handshake.checksums:
+                mine = checksum_values([span_checksum(space[span]) for _, span in ranges])
+                for (seg, _), got, sent in zip(ranges, mine, checksums[stream], strict=True):
+                    if got != sent:
+                        raise ReceiveIntegrityError(
+                            f"room {room}: the {STREAM_NAMES[stream]} bytes of tokens [{seg.start}, "
+                            f"{seg.end}) do not match prefill's checksum ({got:#010x}, prefill sent "
+                            f"{sent:#010x}): they were corrupted, or are not this request's"
+                        )
+            if exact:  # the words decode writes as they are
+                residuals = [seg for seg, _ in ranges if seg.protected or stream is Stream.RESIDUAL]
+                magnitudes += [
+                    (seg, _largest_magnitude(space[plan.byte_ranges(seg)[1]], self.handshake.layout.dtype))
+                    for seg in residuals
+                ]
+        if magnitudes:
+            largest = torch.stack([m for _, m in magnitudes]).tolist()
+            for (seg, _), bits in zip(magnitudes, largest, strict=True):
+                if bits >= _NON_FINITE[self.handshake.layout.dtype][1]:
+                    raise ReceiveIntegrityError(
+                        f"room {room}: the exact Residual of tokens [{seg.start}, {seg.end}) "
+                        "holds a NaN or infinite word"
+                    )
+
     def forget(self, room: int) -> RoomReport | None:
         """The request is done with its receive space (decoded, failed or aborted)."""
         with self._lock:
@@ -244,10 +357,16 @@ class ProgressiveReceiver:
                 return None
             tracker = state.tracker
             if state.offset is not None:
+                assert state.nonce is not None
+                reservation = (room, state.nonce)
+                if not state.released:  # prefill's RELEASED is still to come
+                    self._ended[reservation] = None
+                    if len(self._ended) > _ENDED_KEPT:
+                        self._ended.popitem(last=False)
                 if tracker.state is ReceiveState.COMPLETE or state.released:
                     self._arena.free(state.offset)
                 else:  # prefill may still write into it
-                    self._quarantine[room] = (state.offset, time.monotonic() + self._quarantine_s)
+                    self._quarantine[reservation] = (state.offset, time.monotonic() + self._quarantine_s)
         return _report_of(tracker)
 
     def report(self, room: int) -> RoomReport | None:
@@ -267,15 +386,33 @@ class ProgressiveReceiver:
                 buffer_used=self._arena.used,
                 anchor_bytes=self._landed_bytes[Stream.ANCHOR],
                 residual_bytes=self._landed_bytes[Stream.RESIDUAL],
+                dropped_notices=dict(self._dropped),
             )
 
     def _expire_quarantine(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for room, (offset, expiry) in list(self._quarantine.items()):
+            for reservation, (offset, expiry) in list(self._quarantine.items()):
                 if now >= expiry:
-                    del self._quarantine[room]
+                    del self._quarantine[reservation]
                     self._arena.free(offset)
+
+
+# A float word is NaN or infinite exactly when its exponent bits are all ones, i.e. when
+# its bits without the sign are at least this. Compared on an integer view: on the CPU a
+# max over int16 words is ~10x faster than torch.isfinite on bf16 (which converts).
+_NON_FINITE: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def _largest_magnitude(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest of the ``dtype`` words in the byte range ``words``, as sign-less bits
+    (0-dim, on the range's device): non-finite iff >= ``_NON_FINITE[dtype][1]``."""
+    view = _NON_FINITE[dtype][0]
+    return (words.view(view) & torch.iinfo(view).max).amax()
 
 
 def _report_of(tracker: ReceiveTracker) -> RoomReport:

@@ -14,6 +14,14 @@ Notices to decode (``ACCEPT``/``REJECT``/``LANDED``/``RELEASED``, see
 this object's reaper thread once the engine holds no more of the request's writes (only
 then is its send-buffer space reused and decode told it may reuse its receive space).
 The reaper thread also submits writes held back on purpose (``hold_s``).
+
+Offers are answered only for this server's own requests: decode's metadata for a room
+may arrive before prefill's request for it exists (upstream creates the request's KV
+sender when the scheduler takes it in, and sizes it after bootstrap), so an offer waits
+until the request exists and its token count is known (:meth:`open_room`,
+:meth:`size_room`). Offers for rooms with no request wait a bounded time and in bounded
+number; then they are dropped and counted (:attr:`SenderStats.dropped_offers`).
+Every notice echoes the offer's nonce (:mod:`lynx.transfer.protocol`).
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from lynx.transfer.protocol import (
     ProtocolError,
     RequestLayout,
     Stream,
+    checksum_values,
     parse_handshake,
+    span_checksum,
 )
 
 log = logging.getLogger(__name__)
@@ -50,7 +60,8 @@ _LANE_OF_STREAM = {stream: lane for lane, stream in _STREAM_OF_LANE.items()}
 _NO_OFFER = (
     "sent no Lynx offer: it runs without --lynx (start both servers with --lynx and the same --lynx-* flags)"
 )
-_ENDED_KEPT = 1 << 16  # failed or aborted rooms remembered, so that their late chunks are dropped
+_ENDED_KEPT = 1 << 16  # failed or aborted reservations remembered, so that their late chunks are dropped
+_EARLY_OFFERS_KEPT = 4096  # offers for rooms this server has no request for (yet)
 
 
 def page_slots(pages: np.ndarray | torch.Tensor, page_size: int) -> torch.Tensor:
@@ -62,12 +73,25 @@ def page_slots(pages: np.ndarray | torch.Tensor, page_size: int) -> torch.Tensor
 
 
 @dataclass
+class _HeldOffer:
+    """Decode's metadata for a room, not answered yet."""
+
+    offer_bytes: bytes | None  # None: decode runs without Lynx
+    endpoint: Endpoint
+    session: str
+    arrived: float
+
+
+@dataclass
 class _Room:
     room: int
     peer: str  # the decode engine's session id
     endpoint: Endpoint  # where decode takes notices
     offer: Offer
     plan: RequestLayout
+    # span_checksum of each encoded segment's range on each stream, in segment order
+    # (empty without the handshake's checksums flag)
+    checksums: dict[Stream, list[int]] = field(default_factory=lambda: {s: [] for s in Stream})
     pending: deque[tuple[torch.Tensor, bool]] = field(default_factory=deque)
     slots: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
@@ -87,11 +111,17 @@ class SenderStats:
     buffer_used: int
     anchor_bytes: int
     residual_bytes: int
+    offers_waiting: int  # for a request that does not exist yet, or whose length is not known
+    # reason ("expired", "overflow", "duplicate") -> offers dropped unanswered since start
+    dropped_offers: dict[str, int] = field(default_factory=dict)
 
 
 class ProgressiveSender:
     """See the module docstring. ``on_failure(room, reason)`` is called (on whichever
-    thread found it) when a request's Lynx transfer fails, so the server can fail it."""
+    thread found it) when a request's Lynx transfer fails, so the server can fail it.
+    ``offer_wait_s``: how long an offer for a room with no request waits for it; by
+    default as long as upstream's prefill waits for decode's metadata
+    (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, 300 s)."""
 
     def __init__(
         self,
@@ -106,6 +136,7 @@ class ProgressiveSender:
         notify: Callable[[Endpoint, list[bytes]], None],
         on_failure: Callable[[int, str], None],
         hold_s: tuple[float, float] = (0.0, 0.0),
+        offer_wait_s: float = 300.0,
     ) -> None:
         self._arena = arena_over(buffer, "send")
         self.handshake = handshake
@@ -116,10 +147,16 @@ class ProgressiveSender:
         self._on_failure = on_failure
         self._lock = threading.RLock()
         self._rooms: dict[int, _Room] = {}
+        # room -> its request's token count, None until known: this server's requests
+        self._requests: dict[int, int | None] = {}
+        self._offers: dict[int, _HeldOffer] = {}  # for a request whose length is not known yet
+        self._early_offers: OrderedDict[int, _HeldOffer] = OrderedDict()  # for no request (yet)
+        self._offer_wait_s = offer_wait_s
+        self._dropped_offers: dict[str, int] = {}
         # room -> (decode's session, its control endpoint, the accepted offer) or the refusal
         self._answers: dict[int, tuple[str, Endpoint, Offer] | str] = {}
         self._releasing: set[int] = set()
-        self._ended: OrderedDict[int, None] = OrderedDict()
+        self._ended: OrderedDict[tuple[int, int], None] = OrderedDict()  # (room, nonce)
         self._sent = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
         self._hold_s = {Lane.HIGH: hold_s[0], Lane.LOW: hold_s[1]}
         # writes held back on purpose (hold_s): (due, room, lane, writes, last), in due order
@@ -132,39 +169,113 @@ class ProgressiveSender:
         self._reaper = threading.Thread(target=self._reap, name="lynx-sender-reaper", daemon=True)
         self._reaper.start()
 
-    # ---- pairing (bootstrap thread) ---------------------------------------------------------
+    # ---- pairing -----------------------------------------------------------------------------
 
-    def answer_offer(
+    def take_offer(
         self, room: int, offer_bytes: bytes | None, endpoint: Endpoint, session: str
-    ) -> Offer | str:
-        """Check decode's offer for ``room`` (from its Mooncake ``session`` at control
-        ``endpoint``), tell decode ACCEPT or REJECT, and remember the answer for
-        :meth:`add_chunk`. Returns the offer, or why it was refused. ``offer_bytes`` None:
-        decode runs without Lynx (it gets no notice, it would not understand one)."""
-        answer = self._check_offer(room, offer_bytes, endpoint)
+    ) -> Offer | str | None:
+        """Decode's metadata for ``room`` arrived (bootstrap thread) from its Mooncake
+        ``session``, with control ``endpoint``, and with its Lynx offer or without
+        (``offer_bytes`` None: decode runs without Lynx). Answered (ACCEPT or REJECT, and
+        remembered for :meth:`add_chunk`) once this server's request for the room has its
+        length (:meth:`size_room`); returns the answer if that is now, else None."""
+        now = time.monotonic()
+        held = _HeldOffer(offer_bytes, endpoint, session, now)
         with self._lock:
-            self._answers[room] = answer if isinstance(answer, str) else (session, endpoint, answer)
+            self._expire_offers(now)
+            if room in self._answers or room in self._offers or room in self._early_offers:
+                self._drop_offer(room, "duplicate")
+                return None
+            if room not in self._requests:
+                self._early_offers[room] = held
+                if len(self._early_offers) > _EARLY_OFFERS_KEPT:
+                    self._drop_offer(self._early_offers.popitem(last=False)[0], "overflow")
+                return None
+            n_tokens = self._requests[room]
+            if n_tokens is None:
+                self._offers[room] = held
+                return None
+        return self._answer(room, held, n_tokens)
+
+    def open_room(self, room: int) -> None:
+        """This server has a request for ``room`` (scheduler thread): its offer waits for
+        :meth:`size_room`, however long that takes."""
+        with self._lock:
+            self._requests.setdefault(room, None)
+            held = self._early_offers.pop(room, None)
+            if held is not None:
+                self._offers[room] = held
+
+    def size_room(self, room: int, n_tokens: int) -> Offer | str | None:
+        """The request of ``room`` sends ``n_tokens`` tokens (scheduler thread): answer its
+        offer if it came. Returns the answer, or None if no offer came yet."""
+        with self._lock:
+            self._requests[room] = n_tokens
+            held = self._offers.pop(room, None) or self._early_offers.pop(room, None)
+        return None if held is None else self._answer(room, held, n_tokens)
+
+    def _answer(self, room: int, held: _HeldOffer, n_tokens: int) -> Offer | str:
+        """Check the offer against this side, tell decode ACCEPT or REJECT, remember it."""
+        where = f"decode {held.endpoint[0]}:{held.endpoint[1]}"
+        notice = None
+        if held.offer_bytes is None:
+            answer: Offer | str = f"{where} {_NO_OFFER}"  # it would not understand a notice
+        else:
+            try:
+                offer = Offer.from_wire(held.offer_bytes)
+            except ProtocolError as exc:  # no nonce to answer with: upstream's failure tells decode
+                answer = f"cannot read the decode server's Lynx offer: {exc}"
+            else:
+                reason = self._offer_mismatch(offer, where, n_tokens)
+                if reason is None:
+                    answer = offer
+                    notice = Notice(NoticeKind.ACCEPT, room, offer.nonce, handshake=self.handshake.to_wire())
+                else:
+                    answer = reason
+                    notice = Notice(NoticeKind.REJECT, room, offer.nonce, text=reason)
+        if isinstance(answer, str) and held.offer_bytes is not None:  # no offer: the glue says why
+            log.error("Lynx: refusing room %s: %s", room, answer)
+        with self._lock:
+            self._answers[room] = answer if isinstance(answer, str) else (held.session, held.endpoint, answer)
+        if notice is not None:
+            self._notify(held.endpoint, notice.to_frames())
         return answer
 
-    def _check_offer(self, room: int, offer_bytes: bytes | None, endpoint: Endpoint) -> Offer | str:
-        where = f"decode {endpoint[0]}:{endpoint[1]}"
-        if offer_bytes is None:
-            return f"{where} {_NO_OFFER}"
-        reason = None
+    def _offer_mismatch(self, offer: Offer, where: str, n_tokens: int) -> str | None:
+        """Why ``offer`` cannot carry this server's request of ``n_tokens`` tokens, or None.
+        Sizes are compared by arithmetic: nothing is built from the peer's numbers."""
         try:
-            offer = Offer.from_wire(offer_bytes)
             theirs = parse_handshake(offer.handshake)
-            reason = self.handshake.mismatch(theirs, this="this prefill server", other=where)
         except ProtocolError as exc:
-            reason = f"cannot read the decode server's Lynx offer: {exc}"
-        if reason is not None:
-            log.error("Lynx: refusing room %s: %s", room, reason)
-            self._notify(endpoint, Notice(NoticeKind.REJECT, room, text=reason).to_frames())
-            return reason
-        self._notify(
-            endpoint, Notice(NoticeKind.ACCEPT, room, handshake=self.handshake.to_wire()).to_frames()
-        )
-        return offer
+            return f"cannot read the decode server's Lynx offer: {exc}"
+        mismatch = self.handshake.mismatch(theirs, this="this prefill server", other=where)
+        if mismatch is not None:
+            return mismatch
+        if offer.n_tokens != n_tokens:
+            return (
+                f"{where} offered space for {offer.n_tokens} tokens, this prefill server's "
+                f"request has {n_tokens}"
+            )
+        sent = RequestLayout.sent_nbytes_of(self.handshake, n_tokens)
+        if (offer.anchor_nbytes, offer.residual_nbytes) != (sent[Stream.ANCHOR], sent[Stream.RESIDUAL]):
+            return (
+                f"{where} offered {offer.anchor_nbytes}+{offer.residual_nbytes} bytes for "
+                f"{n_tokens} tokens, this side sends {sent[Stream.ANCHOR]}+{sent[Stream.RESIDUAL]}"
+            )
+        return None
+
+    def _expire_offers(self, now: float) -> None:
+        """Drop (lock held) offers that waited ``offer_wait_s`` for a request."""
+        while self._early_offers:
+            room, held = next(iter(self._early_offers.items()))
+            if now - held.arrived < self._offer_wait_s:
+                return
+            del self._early_offers[room]
+            self._drop_offer(room, "expired")
+
+    def _drop_offer(self, room: int, reason: str) -> None:
+        log.warning("Lynx: dropping decode's offer for room %s unanswered (%s)", room, reason)
+        self._dropped_offers[reason] = self._dropped_offers.get(reason, 0) + 1
 
     def refusal(self, room: int) -> str | None:
         """Why ``room`` cannot be sent with Lynx (no offer came, or it was refused); None
@@ -175,9 +286,12 @@ class ProgressiveSender:
             return f"the decode server {_NO_OFFER}"
         return answer if isinstance(answer, str) else None
 
-    def forget_offer(self, room: int) -> None:
-        """The request is done on this side: drop its answer."""
+    def close_room(self, room: int) -> None:
+        """The request is done on this side: forget it and its offer."""
         with self._lock:
+            self._requests.pop(room, None)
+            self._offers.pop(room, None)
+            self._early_offers.pop(room, None)
             self._answers.pop(room, None)
 
     # ---- scheduler thread -------------------------------------------------------------------
@@ -186,26 +300,16 @@ class ProgressiveSender:
         """Queue the request's next chunk (prefill page ids, in order) and pump. The room's
         offer must have been accepted (:meth:`refusal` is None)."""
         with self._lock:
-            if room in self._ended:
-                return  # its space on decode may already serve another request
             state = self._rooms.get(room)
             if state is None:
                 answer = self._answers.get(room)
                 if answer is None or isinstance(answer, str):
                     raise ValueError(f"room {room} has no accepted Lynx offer")
                 peer, endpoint, offer = answer
+                if (room, offer.nonce) in self._ended:
+                    return  # its space on decode may already serve another request
+                # The offer's token count is this request's and its sizes match (_answer).
                 plan = RequestLayout.of(self.handshake, offer.n_tokens)
-                if (offer.anchor_nbytes, offer.residual_nbytes) != (
-                    plan.anchor_nbytes,
-                    plan.sent_residual_nbytes,
-                ):
-                    self._fail(
-                        room,
-                        f"decode offered {offer.anchor_nbytes}+{offer.residual_nbytes} bytes "
-                        f"for {offer.n_tokens} tokens, this side needs "
-                        f"{plan.anchor_nbytes}+{plan.sent_residual_nbytes}",
-                    )
-                    return
                 need = plan.encoded_nbytes
                 if self._arena.rounded(need) > self._arena.capacity:  # it would hold up every later room
                     self._fail(
@@ -247,13 +351,11 @@ class ProgressiveSender:
                 return
             state.closed = state.failed = True
             state.pending.clear()
-            if state.offset is None:  # nothing was ever written: decode may reuse its space now
+            released = state.offset is None  # nothing was ever written: decode may reuse its space now
+            if released:
                 del self._rooms[room]
-                endpoint = state.endpoint
-            else:
-                endpoint = None
-        if endpoint is not None:
-            self._notify(endpoint, Notice(NoticeKind.RELEASED, room).to_frames())
+        if released:
+            self._notify(state.endpoint, Notice(NoticeKind.RELEASED, room, state.offer.nonce).to_frames())
             return
         self._lanes.abort(str(room))
         log.info("Lynx: room %s aborted (%s)", room, reason)
@@ -267,6 +369,8 @@ class ProgressiveSender:
                 buffer_used=self._arena.used,
                 anchor_bytes=self._sent[Stream.ANCHOR],
                 residual_bytes=self._sent[Stream.RESIDUAL],
+                offers_waiting=len(self._offers) + len(self._early_offers),
+                dropped_offers=dict(self._dropped_offers),
             )
 
     def close(self) -> None:
@@ -289,6 +393,7 @@ class ProgressiveSender:
         assert state.offset is not None
         plan = state.plan
         submitted: list[tuple[Lane, list[tuple[int, int, int]], bool]] = []
+        checksums: dict[Stream, list[torch.Tensor]] = {stream: [] for stream in plan.streams}
         while state.pending:
             slots, last = state.pending.popleft()
             state.slots.append(slots)
@@ -321,6 +426,10 @@ class ProgressiveSender:
             except CodecError as exc:
                 self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
                 return
+            if self.handshake.checksums:  # after the chunk's encode: interleaved with it, slower
+                for seg in ready:
+                    for stream, span in plan.sent_ranges(seg):
+                        checksums[stream].append(span_checksum(space[span]))
             state.segments_sent += len(ready)
             for stream, stream_writes in writes.items():
                 if stream_writes or last:  # a chunk of protected segments only has no Residual
@@ -332,6 +441,8 @@ class ProgressiveSender:
         if self._buffer.is_cuda:
             # The lanes read the buffer from another thread: the encode must be done.
             torch.cuda.current_stream(self._buffer.device).synchronize()
+        for stream, values in checksums.items():
+            state.checksums[stream].extend(checksum_values(values))
         now = time.monotonic()
         for lane, writes, last in submitted:
             if self._hold_s[lane] > 0:
@@ -377,13 +488,17 @@ class ProgressiveSender:
                 state.closed = state.failed = True
                 state.pending.clear()
                 self._end(room)
+            stream = _STREAM_OF_LANE[status.lane]
+            checksums = tuple(state.checksums[stream]) if ok else ()
         if status.state is not StreamState.ABORTED:
             notice = Notice(
                 NoticeKind.LANDED,
                 room,
-                stream=_STREAM_OF_LANE[status.lane],
+                state.offer.nonce,
+                stream=stream,
                 ok=ok,
                 nbytes=status.bytes_done,
+                checksums=checksums,
                 text=status.error or "",
             )
             self._notify(endpoint, notice.to_frames())
@@ -394,16 +509,27 @@ class ProgressiveSender:
             self._on_failure(room, f"Lynx {status.lane.name} lane: {status.error}")
 
     def _end(self, room: int) -> None:
-        """Remember (lock held) that ``room`` was given up: a later chunk of it must not
-        start a new transfer into receive space decode may have reused."""
-        self._ended[room] = None
-        self._ended.move_to_end(room)
+        """Remember (lock held) that the reservation ``room`` was sent to was given up: a
+        later chunk of it must not start a new transfer into receive space decode may have
+        reused. A later request of the room, with a new reservation, is not affected."""
+        state = self._rooms.get(room)
+        answer = self._answers.get(room)
+        if state is not None:
+            nonce = state.offer.nonce
+        elif isinstance(answer, tuple):
+            nonce = answer[2].nonce
+        else:
+            return  # nothing accepted: no chunk can start
+        self._ended[(room, nonce)] = None
+        self._ended.move_to_end((room, nonce))
         if len(self._ended) > _ENDED_KEPT:
             self._ended.popitem(last=False)
 
     def _reap(self) -> None:
         while not self._stop.wait(0.02):
             self._submit_due()
+            with self._lock:
+                self._expire_offers(time.monotonic())
             with self._lock:
                 candidates = list(self._releasing)
             for room in candidates:
@@ -420,4 +546,4 @@ class ProgressiveSender:
                     continue
                 if state.offset is not None:
                     self._arena.free(state.offset)
-                self._notify(state.endpoint, Notice(NoticeKind.RELEASED, room).to_frames())
+                self._notify(state.endpoint, Notice(NoticeKind.RELEASED, room, state.offer.nonce).to_frames())

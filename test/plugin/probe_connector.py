@@ -1,0 +1,159 @@
+"""Runs in a fresh interpreter: Lynx's Mooncake sender and receiver subclasses, on real
+Lynx core objects, with a stand-in for upstream's manager (no engine, no sockets).
+
+Prints ``PROBE-RESULT <json>``: what each case observed.
+"""
+
+import json
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from lynx_patches import sgl_kernel
+from lynx_patches._hooks import is_cpu_engine
+
+if is_cpu_engine():
+    sgl_kernel.install()
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import KVTransferError
+
+from lynx.codec import CodecConfig, KVLayout
+from lynx.lanes import BatchState, LaneConfig, Transfer
+from lynx.transfer import Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Upstream, Verdict
+from lynx_patches.mooncake_connector import LynxKVReceiver, LynxKVSender
+
+ROOM = 4242
+PAGES = 6
+PAGE_SIZE = 4
+HANDSHAKE = Handshake("full", CodecConfig(), KVLayout(2, 2, 64, torch.bfloat16))
+
+
+def kv() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return (
+        [torch.zeros(64, 2, 64, dtype=torch.bfloat16) for _ in range(2)],
+        [torch.zeros(64, 2, 64, dtype=torch.bfloat16) for _ in range(2)],
+    )
+
+
+def receiver_glue(manager: SimpleNamespace) -> LynxKVReceiver:
+    """A LynxKVReceiver as upstream's constructor leaves it, minus the network."""
+    glue = object.__new__(LynxKVReceiver)
+    glue.kv_mgr = manager
+    glue.bootstrap_room = ROOM
+    glue.bootstrap_addr = "10.0.0.1:8998"
+    glue.conclude_state = None
+    glue.abort_notified = False
+    return glue
+
+
+def duplicate_room() -> dict:
+    """A second request for a room decode already reserved fails alone."""
+    k, v = kv()
+    receiver = ProgressiveReceiver(
+        buffer=torch.zeros(1 << 20, dtype=torch.uint8),
+        k_buffers=k,
+        v_buffers=v,
+        handshake=HANDSHAKE,
+        deadline_s=60.0,
+    )
+    manager = SimpleNamespace(
+        lynx=SimpleNamespace(receiver=receiver, page_size=PAGE_SIZE, metrics=None),
+        request_status={ROOM: KVPoll.WaitingForInput},
+        failure_records={},
+    )
+    receiver.register(ROOM, PAGES * PAGE_SIZE, peer="10.0.0.1:8998")  # the first request's
+    first = receiver.reserve(ROOM)
+    second = receiver_glue(manager)
+    second.send_metadata(np.arange(PAGES, dtype=np.int32), 0, None)  # old: raised in the scheduler
+    polled = second.poll()
+    try:
+        second.failure_exception()
+        raised = None
+    except KVTransferError as exc:
+        raised = exc.failure_reason
+    second.abort()
+    second.clear()
+    return {
+        "polled_failed": polled == KVPoll.Failed,
+        "reason": raised,
+        "first_kept": receiver.verdict(ROOM, Upstream.PENDING) == (Verdict.WAIT, None),
+        "first_offer_kept": first is not None and receiver.reserve(ROOM) == first,
+        "room_status_kept": manager.request_status == {ROOM: KVPoll.WaitingForInput},
+        "failure_records": manager.failure_records,
+        "abort_sent": not second.abort_notified,
+    }
+
+
+class NoEngine:
+    session_id = "prefill:1"
+
+    def probe(self, peer: str) -> bool:
+        return True
+
+    def register_memory(self, addr: int, length: int) -> None:
+        pass
+
+    def unregister_memory(self, addr: int) -> None:
+        pass
+
+    def submit_write(self, peer: str, transfers: Sequence[Transfer]) -> object:
+        return object()
+
+    def poll(self, handle: object) -> BatchState:
+        return BatchState.PENDING
+
+
+def prefill_sizes_the_room(pages: int) -> dict:
+    """``init`` gives the sender the request's length (whole pages, as decode counts
+    slots): the offer waiting for it is answered then, against that length."""
+    k, v = kv()
+    decode = ProgressiveReceiver(
+        buffer=torch.zeros(1 << 20, dtype=torch.uint8),
+        k_buffers=k,
+        v_buffers=v,
+        handshake=HANDSHAKE,
+        deadline_s=60.0,
+    )
+    decode.register(ROOM, PAGES * PAGE_SIZE, peer="10.0.0.1:8998")
+    offer = decode.reserve(ROOM)
+    assert offer is not None
+    notices: list[Notice] = []
+    sender = ProgressiveSender(
+        backend=NoEngine(),
+        buffer=torch.zeros(1 << 20, dtype=torch.uint8),
+        k_buffers=k,
+        v_buffers=v,
+        page_size=PAGE_SIZE,
+        handshake=HANDSHAKE,
+        lane_config=LaneConfig(),
+        notify=lambda endpoint, frames: notices.append(Notice.from_frames(frames)),
+        on_failure=lambda room, reason: None,
+    )
+    try:
+        answered_early = sender.take_offer(ROOM, offer.to_wire(), ("10.0.0.2", 9000), "decode:1")
+        glue = object.__new__(LynxKVSender)
+        glue.kv_mgr = SimpleNamespace(lynx=SimpleNamespace(sender=sender, page_size=PAGE_SIZE))
+        glue.bootstrap_room = ROOM
+        glue.init(pages, 0)
+        return {
+            "answered_early": answered_early is not None,
+            "notices": [(n.kind.name, n.nonce == offer.nonce, n.text) for n in notices],
+            "refusal": sender.refusal(ROOM),
+        }
+    finally:
+        sender.close()
+
+
+print(
+    "PROBE-RESULT "
+    + json.dumps(
+        {
+            "duplicate_room": duplicate_room(),
+            "same_length": prefill_sizes_the_room(PAGES),
+            "other_length": prefill_sizes_the_room(PAGES + 1),
+        }
+    )
+)
