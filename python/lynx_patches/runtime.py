@@ -165,12 +165,16 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
                 tolerance=settings.verify_tolerance,
                 draft_memory_bytes=settings.draft_memory_bytes,
             )
+    # Where this side hears its peer's control messages (offers on prefill, notices on
+    # decode): what to firewall, and what a drill aims forged messages at.
     logger.info(
-        "Lynx %s side ready: %s; %s buffer %.1f MiB",
+        "Lynx %s side ready: %s; %s buffer %.1f MiB; %s on %s",
         "prefill" if runtime.sender else "decode",
         handshake.describe(),
         "send" if runtime.sender else "receive",
         nbytes / (1 << 20),
+        "offers" if runtime.sender else "notices",
+        upstream.control_endpoint(manager),
     )
     return runtime
 

@@ -50,6 +50,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
         "Last prompt tokens sent at full precision with the Anchor (start rounded down to a "
         "key-block multiple).",
     ),
+    "checksums": (
+        settings.parse_switch,
+        "on/off: prefill checksums every segment it sends, decode checks it before decoding "
+        "(both sides must agree).",
+    ),
     "max_speculative_tokens": (int, "Most tokens a request may hold back before its Residual lands."),
     "draft_memory_bytes": (
         settings.parse_size,

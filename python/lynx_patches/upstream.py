@@ -81,6 +81,8 @@ CONTRACT: tuple[Relied, ...] = (
     Relied("sglang.srt.disaggregation.utils", "DisaggregationMode", "class"),
     _m(_MANAGER, "__init__", "args", "disaggregation_mode", "server_args", "is_mla_backend"),
     _m(_MANAGER, "_make_worker_recv", "socket", "timeout_ms"),
+    _a(f"{COMMON_CONN}.CommonKVManager", "local_ip"),
+    _a(f"{COMMON_CONN}.CommonKVManager", "rank_port"),
     _m(_MANAGER, "_send_multipart_locked", "endpoint", "parts", "is_ipv6"),
     _m(_MANAGER, "_handle_abort_notification", "msg"),
     _m(_MANAGER, "add_transfer_request", "bootstrap_room", "kv_indices", "index_slice", "is_last_chunk"),
@@ -396,6 +398,11 @@ def send_to_peer(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -
 def manager_transfer_engine(manager: Any) -> tuple[Any, str]:
     """(the Mooncake ``TransferEngine``, this server's session id)."""
     return manager.engine.engine, manager.engine.get_session_id()
+
+
+def control_endpoint(manager: Any) -> str:
+    """The ZMQ endpoint where the manager receives its peers' messages."""
+    return f"tcp://{manager.local_ip}:{manager.rank_port}"
 
 
 def register_receive_buffer(manager: Any, address: int, nbytes: int) -> None:

@@ -41,10 +41,13 @@ def test_protected_tokens_are_counted_from_zero_to_the_bound() -> None:
     assert LynxSettings.from_json(widest.to_json()) == widest
 
 
-def test_checksums_are_off_unless_asked_for() -> None:
-    assert LynxSettings().checksums is False
-    checked = LynxSettings(checksums=True)
-    assert LynxSettings.from_json(checked.to_json()) == checked
+def test_checksums_are_on_unless_switched_off() -> None:
+    assert LynxSettings().checksums is True
+    unchecked = LynxSettings(checksums=False)
+    assert LynxSettings.from_json(unchecked.to_json()) == unchecked
+    assert [settings.parse_switch(t) for t in ("on", "OFF", "true", "0")] == [True, False, True, False]
+    with pytest.raises(ValueError, match="not on or off"):
+        settings.parse_switch("maybe")
 
 
 def test_from_json_rejects_unknown_and_malformed_settings() -> None:

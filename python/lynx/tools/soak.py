@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import re
 import signal
@@ -31,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +43,33 @@ from lynx.transfer.protocol import Notice, NoticeKind, Stream
 
 MAX_NEW_TOKENS = 24
 DEADLINE_S = 6.0
-_WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
-    "boxing matches and a sphinx of black quartz hears every vow"
-).split()
+_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "judge",
+    "boxing",
+    "matches",
+    "and",
+    "a",
+    "sphinx",
+    "of",
+    "black",
+    "quartz",
+    "hears",
+    "every",
+    "vow",
+]
 
 
 def prompts(n: int) -> list[str]:
@@ -94,7 +118,9 @@ def _post(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 def _stream(url: str, payload: dict[str, Any], timeout: float, stop_after: int | None) -> list[int]:
     request = urllib.request.Request(
-        url, data=json.dumps({**payload, "stream": True}).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps({**payload, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
     )
     output: list[int] = []
     with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -188,10 +214,18 @@ class Forger:
             self.forge(rng.getrandbits(62))
             prompt = rng.choice(prompts_)
             room = rng.getrandbits(62)
-            extra = {"bootstrap_host": HOST, "bootstrap_port": self._cluster.bootstrap_port, "bootstrap_room": room}
+            extra = {
+                "bootstrap_host": HOST,
+                "bootstrap_port": self._cluster.bootstrap_port,
+                "bootstrap_room": room,
+            }
             with ThreadPoolExecutor(2) as pool:
-                to_prefill = pool.submit(_quietly, self._cluster.prefill_url + "/generate", body(prompt, **extra))
-                answer = pool.submit(_post, self._cluster.decode_url + "/generate", body(prompt, **extra), 120)
+                to_prefill = pool.submit(
+                    _quietly, self._cluster.prefill_url + "/generate", body(prompt, **extra)
+                )
+                answer = pool.submit(
+                    _post, self._cluster.decode_url + "/generate", body(prompt, **extra), 120
+                )
                 for _ in range(5):  # while its transfer is in flight
                     self.forge(room)
                     time.sleep(0.05)
@@ -215,7 +249,9 @@ def _quietly(url: str, payload: dict[str, Any]) -> None:
 
 
 def notice_endpoint(decode_log: Path) -> str:
-    match = re.search(r"Lynx decode side ready: .*notices on (tcp://\S+)", decode_log.read_text(errors="replace"))
+    match = re.search(
+        r"Lynx decode side ready: .*notices on (tcp://\S+)", decode_log.read_text(errors="replace")
+    )
     if match is None:
         raise ClusterError(f"no notice endpoint in {decode_log}")
     return match.group(1)
@@ -245,8 +281,6 @@ def restart_prefill(cluster: PDCluster) -> None:
     prefill = cluster.processes[0]
     assert prefill.process is not None
     with contextlib.suppress(ProcessLookupError):
-        import os
-
         os.killpg(prefill.process.pid, signal.SIGKILL)
     prefill.stop()
     prefill.start()
@@ -261,8 +295,6 @@ def restart_prefill(cluster: PDCluster) -> None:
 
 
 def stall_prefill(cluster: PDCluster, seconds: float) -> None:
-    import os
-
     prefill = cluster.processes[0]
     assert prefill.process is not None
     os.killpg(prefill.process.pid, signal.SIGSTOP)
@@ -284,20 +316,16 @@ def chaos(cluster: PDCluster, start: float, duration: float, log: Callable[[str]
         log(f"{time.monotonic() - start:6.1f} s  {what}")
 
 
-@contextlib.contextmanager
-def cluster_of(config: ServerConfig, log_dir: Path, prefill: list[str], decode: list[str]) -> Iterator[PDCluster]:
-    with PDCluster(config, log_dir, prefill_args=prefill, decode_args=decode) as cluster:
-        yield cluster
-
-
 def references(config: ServerConfig, log_dir: Path, texts: list[str]) -> dict[str, list[int]]:
-    with cluster_of(config, log_dir / "reference", [], []) as plain, ThreadPoolExecutor(4) as pool:
+    with PDCluster(config, log_dir / "reference") as plain, ThreadPoolExecutor(4) as pool:
         answers = pool.map(lambda t: _post(plain.url + "/generate", body(t), 300)["output_ids"], texts)
         return dict(zip(texts, answers, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--duration", type=float, default=180.0)
     parser.add_argument("--clients", type=int, default=64)
@@ -317,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     prefill_args, decode_args = lynx_args(args.residual_hold)
     tally = Tally()
     events: list[str] = []
-    with cluster_of(config, args.out / "logs" / "lynx", prefill_args, decode_args) as cluster:
+    lynx = PDCluster(config, args.out / "logs" / "lynx", prefill_args=prefill_args, decode_args=decode_args)
+    with lynx as cluster:
         idle = quiet_figures(cluster)
         forger = Forger(notice_endpoint(cluster.log_paths[1]), cluster, refs, tally)
         start = time.monotonic()
@@ -347,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "leaked KV tokens": idle[0] - final[0],
         "leaked receive-buffer bytes": final[1] - idle[1],
         "forged notices sent": forger.sent,
-        "notices dropped by decode": stats.get("notices_dropped"),
+        "notices dropped by decode": stats.get("dropped_notices"),
         "both servers serve after": all(serves.values()),
         "chaos": events,
         "errors seen": dict(tally.errors.most_common(12)),

@@ -112,6 +112,8 @@ class SenderStats:
     anchor_bytes: int
     residual_bytes: int
     offers_waiting: int  # for a request that does not exist yet, or whose length is not known
+    lanes_driver_alive: bool  # False: the lanes' driver thread ended, no transfer can move
+    lanes_driver_errors: int  # driver passes that raised (each failed the open transfers)
     # reason ("expired", "overflow", "duplicate") -> offers dropped unanswered since start
     dropped_offers: dict[str, int] = field(default_factory=dict)
 
@@ -361,8 +363,11 @@ class ProgressiveSender:
         log.info("Lynx: room %s aborted (%s)", room, reason)
 
     def stats(self) -> SenderStats:
+        lanes = self._lanes.stats()
         with self._lock:
             return SenderStats(
+                lanes_driver_alive=lanes.driver_alive,
+                lanes_driver_errors=lanes.driver_errors,
                 rooms=len(self._rooms),
                 waiting_for_space=sum(1 for s in self._rooms.values() if s.offset is None),
                 buffer_bytes=self._arena.capacity,
