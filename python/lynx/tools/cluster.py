@@ -297,6 +297,7 @@ class PDCluster(_Group):
         transfer_backend: str = "mooncake_tcp",
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
+        router_args: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.config = config
@@ -341,6 +342,7 @@ class PDCluster(_Group):
             HOST,
             "--prometheus-port",
             str(free_port()),
+            *router_args,
         ]
         self._env = server_env(cpu=config.cpu, threads=config.threads_per_server, extra=config.env)
 

@@ -104,12 +104,19 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     counts: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    wrong: list[str] = field(default_factory=list)  # what each wrong output was, whole
+
+    def failures(self) -> int:
+        with self.lock:
+            return self.counts["failed, clear error"] + self.counts["failed, no message"]
 
     def add(self, outcome: str, error: str | None = None) -> None:
         with self.lock:
             self.counts[outcome] += 1
             if error is not None:
                 self.errors[error[:120]] += 1
+            if outcome == "wrong":
+                self.wrong.append(error or "")
 
 
 def _post(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -131,21 +138,31 @@ def _stream(url: str, payload: dict[str, Any], timeout: float, stop_after: int |
             chunk = json.loads(text.removeprefix("data:"))
             if "error" in chunk:
                 raise RuntimeError(json.dumps(chunk["error"]))
-            output = chunk["output_ids"]
+            output = _output_ids(chunk)
             if stop_after is not None and len(output) >= stop_after:
                 break  # the client goes away: the server must abort the request
     return output
 
 
+def _output_ids(answer: dict[str, Any]) -> list[int]:
+    """The answer's tokens; a request the server ended early (its transfer failed, say)
+    says so in its finish reason: an error the client can read, not a wrong output."""
+    finish = answer.get("meta_info", {}).get("finish_reason") or {}
+    if finish.get("type") == "abort":
+        raise RuntimeError(f"aborted by the server: {finish.get('message')}")
+    return answer["output_ids"]
+
+
 def one_request(kind: str, url: str, prompt: str, reference: list[int], tally: Tally, timeout: float) -> None:
     try:
         if kind == "greedy":
-            output = _post(url + "/generate", body(prompt), timeout)["output_ids"]
+            output = _output_ids(_post(url + "/generate", body(prompt), timeout))
         elif kind == "streamed":
             output = _stream(url + "/generate", body(prompt), timeout, None)
         elif kind == "sampled":
-            output = _post(url + "/generate", body(prompt, sampled=True), timeout)["output_ids"]
-            tally.add("sampled ok" if len(output) == MAX_NEW_TOKENS else "wrong")
+            output = _output_ids(_post(url + "/generate", body(prompt, sampled=True), timeout))
+            ok = len(output) == MAX_NEW_TOKENS
+            tally.add("sampled ok" if ok else "wrong", None if ok else f"sampled: {len(output)} tokens")
             return
         else:  # aborted by the client after its first tokens
             _stream(url + "/generate", body(prompt), timeout, stop_after=2)
@@ -164,7 +181,12 @@ def one_request(kind: str, url: str, prompt: str, reference: list[int], tally: T
         else:
             tally.add("failed, clear error", f"{type(exc).__name__}: {exc}")
         return
-    tally.add("greedy equal" if output == reference else "wrong", None if output == reference else kind)
+    if output == reference:
+        tally.add("greedy equal")
+        return
+    pairs = zip(output, reference, strict=False)
+    first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(output), len(reference)))
+    tally.add("wrong", f"{kind}: {len(output)} tokens, first difference at {first}: {output} vs {reference}")
 
 
 def clients(url: str, refs: dict[str, list[int]], n: int, until: float, tally: Tally, timeout: float) -> None:
@@ -175,7 +197,10 @@ def clients(url: str, refs: dict[str, list[int]], n: int, until: float, tally: T
         rng = random.Random(i)
         while time.monotonic() < until:
             prompt = rng.choice(texts)
+            failed_before = tally.failures()
             one_request(kinds[i % len(kinds)], url, prompt, refs[prompt], tally, timeout)
+            if tally.failures() > failed_before:
+                time.sleep(1.0)  # a client backs off after an error instead of hammering
 
     with ThreadPoolExecutor(n) as pool:
         list(pool.map(loop, range(n)))
@@ -233,9 +258,9 @@ class Forger:
                     output = answer.result()["output_ids"]
                     self._tally.add("forged-room equal" if output == self._refs[prompt] else "wrong", None)
                 except urllib.error.HTTPError as exc:
-                    self._tally.add("failed, clear error", exc.read().decode(errors="replace"))
+                    self._tally.add("forged-room failed, clear error", exc.read().decode(errors="replace"))
                 except (urllib.error.URLError, OSError) as exc:
-                    self._tally.add("failed, clear error", f"{type(exc).__name__}: {exc}")
+                    self._tally.add("forged-room failed, clear error", f"{type(exc).__name__}: {exc}")
                 to_prefill.result()
 
     def close(self) -> None:
@@ -265,6 +290,17 @@ def quiet_figures(cluster: PDCluster) -> tuple[int, int]:
     """(free KV tokens, Lynx receive-buffer bytes in use) of decode."""
     state = decode_state(cluster)
     return state["lynx_kv_available_tokens"], state["lynx_transfer"]["buffer_used"]
+
+
+def idle_figures(cluster: PDCluster) -> tuple[int, int]:
+    """``quiet_figures`` once nothing is in flight (the router's readiness request may
+    still hold its receive space for a moment)."""
+    deadline = time.monotonic() + 120
+    while True:
+        state = decode_state(cluster)["lynx_transfer"]
+        if (state["rooms"] == 0 and state["buffer_used"] == 0) or time.monotonic() > deadline:
+            return quiet_figures(cluster)
+        time.sleep(1.0)
 
 
 def wait_quiet(cluster: PDCluster, idle: tuple[int, int], timeout_s: float) -> tuple[int, int]:
@@ -312,8 +348,9 @@ def chaos(cluster: PDCluster, start: float, duration: float, log: Callable[[str]
     ]
     for at, what, act in plan:
         time.sleep(max(0.0, start + at * duration - time.monotonic()))
+        began = time.monotonic() - start
         act()
-        log(f"{time.monotonic() - start:6.1f} s  {what}")
+        log(f"{began:.0f}-{time.monotonic() - start:.0f} s: {what}")
 
 
 def references(config: ServerConfig, log_dir: Path, texts: list[str]) -> dict[str, list[int]]:
@@ -345,9 +382,18 @@ def main(argv: list[str] | None = None) -> int:
     prefill_args, decode_args = lynx_args(args.residual_hold)
     tally = Tally()
     events: list[str] = []
-    lynx = PDCluster(config, args.out / "logs" / "lynx", prefill_args=prefill_args, decode_args=decode_args)
+    # A restarted prefill is taken back within seconds, not after the default minute the
+    # router's circuit breaker stays open.
+    router = ["--cb-timeout-duration-secs", "5", "--health-check-interval-secs", "2"]
+    lynx = PDCluster(
+        config,
+        args.out / "logs" / "lynx",
+        prefill_args=prefill_args,
+        decode_args=decode_args,
+        router_args=router,
+    )
     with lynx as cluster:
-        idle = quiet_figures(cluster)
+        idle = idle_figures(cluster)
         forger = Forger(notice_endpoint(cluster.log_paths[1]), cluster, refs, tally)
         start = time.monotonic()
         until = start + args.duration
@@ -380,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "both servers serve after": all(serves.values()),
         "chaos": events,
         "errors seen": dict(tally.errors.most_common(12)),
+        "wrong outputs, whole": tally.wrong[:10],
     }
     width = max(len(k) for k in figures)
     for key, value in figures.items():
