@@ -72,10 +72,11 @@ class LynxSettings:
     # Greedy verification accepts a held token whose full-precision log-probability is
     # within this gap of the best one (0: strict argmax, exact). Decode only, not paired.
     verify_tolerance: float = 0.0
-    # How the verify pass attends on SGLang's CPU backend: "batched" (a request's held
-    # rows in one masked call, ~3 decode steps) or "rows" (one call per row, the decode
-    # path's exact numerics, ~k decode steps). Decode only, not paired.
-    verify_attention: str = "batched"
+    # How the verify pass attends on SGLang's CPU backend: "rows" (one call per row, the
+    # decode path's numerics bit for bit, ~k decode steps) or "batched" (a request's held
+    # rows in one masked call, ~3 decode steps; equal to rounding, so a near-tie can break
+    # the other way: opt-in). Decode only, not paired.
+    verify_attention: str = "rows"
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
     buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once

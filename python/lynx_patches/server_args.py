@@ -68,8 +68,9 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     ),
     "verify_attention": (
         str,
-        "Decode, CPU attention backend: how the verify pass attends: batched (a request's held "
-        "rows in one call) or rows (one call per row, the decode path's numerics bit for bit).",
+        "Decode, CPU attention backend: how the verify pass attends: rows (one call per row, the "
+        "decode path's numerics bit for bit) or batched (a request's held rows in one call, ~3 "
+        "decode steps; equal to rounding: opt-in).",
     ),
     "lane_chunk_bytes": (settings.parse_size, "Residual chunk size on the low-priority lane (e.g. 1MiB)."),
     "transfer_deadline_s": (float, "Seconds a request's KV transfer may take before it fails."),
