@@ -312,6 +312,19 @@ def wait_quiet(cluster: PDCluster, idle: tuple[int, int], timeout_s: float) -> t
         time.sleep(1.0)
 
 
+def still_serves(url: str, prompt: str, reference: list[int], timeout_s: float = 180.0) -> bool:
+    """A greedy request through the router answers the reference, once the router has
+    taken the restarted prefill back (it answers 503 until its health check does)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _output_ids(_post(url + "/generate", body(prompt), 300)) == reference
+        except (urllib.error.URLError, OSError, RuntimeError):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(2.0)
+
+
 def restart_prefill(cluster: PDCluster) -> None:
     """SIGKILL prefill (a crash), start it again on the same ports, wait until it answers."""
     prefill = cluster.processes[0]
@@ -409,10 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
         forger.close()
         final = wait_quiet(cluster, idle, timeout_s=120)
-        serves = {
-            name: _post(url + "/generate", body(texts[0], **extra), 300)["output_ids"] == refs[texts[0]]
-            for name, url, extra in (("router", cluster.url, {}),)
-        }
+        serves = still_serves(cluster.url, texts[0], refs[texts[0]])
         stats = decode_state(cluster)["lynx_transfer"]
     figures = {
         "requests": sum(tally.counts.values()),
@@ -423,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "leaked receive-buffer bytes": final[1] - idle[1],
         "forged notices sent": forger.sent,
         "notices dropped by decode": stats.get("dropped_notices"),
-        "both servers serve after": all(serves.values()),
+        "both servers serve after": serves,
         "chaos": events,
         "errors seen": dict(tally.errors.most_common(12)),
         "wrong outputs, whole": tally.wrong[:10],
