@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench_texts import DOCS, PLAYS, benchmark_parser
+from bench_texts import DOCS, PLAYS, benchmark_parser, dtype_args
 from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
@@ -84,7 +84,7 @@ class Pair:
         decode_flags: list[str] | None = None,
     ) -> None:
         self.bootstrap_port = free_port()
-        common = ["--disable-radix-cache", "--chunked-prefill-size", str(args.chunk)]
+        common = ["--disable-radix-cache", "--chunked-prefill-size", str(args.chunk), *dtype_args(args.dtype)]
         pd = ["--disaggregation-transfer-backend", "mooncake_tcp"]
         self.servers = {}
         for side in ("prefill", "decode"):

@@ -122,11 +122,12 @@ def summarize(answers: list[dict], reference: list[list[int]]) -> dict[str, Any]
     }
 
 
-def model_kv_layout(model: Path) -> KVLayout:
+def model_kv_layout(model: Path, dtype: str) -> KVLayout:
     cfg = json.loads((model / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return KVLayout(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, torch.bfloat16)
+    kv_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    return KVLayout(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, kv_dtype)
 
 
 def plot(rows: list[dict], path: Path, model: str) -> None:
@@ -172,7 +173,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = prompts_from(args.data, tokenizer, args.prompts, args.prompt_tokens, skip=500)
-    layout = model_kv_layout(args.model)
+    layout = model_kv_layout(args.model, args.dtype)
     print("== plain BF16 PD (reference)", flush=True)
     reference = [a["output_ids"] for a in serve("bf16", [], prompts, args, at_once=False)]
     full = None
@@ -209,8 +210,8 @@ def main() -> None:
         r = rows[-1]
         print(f"  acceptance {r['acceptance']}, agreement {r['agreement']}, {r['rejections']}", flush=True)
     print(
-        f"\n{args.model.name}: {args.prompts} prompts x {args.prompt_tokens} tokens of {len(TEXTS)} texts, "
-        f"gen {args.gen}, cap {args.cap}, Residual held {args.hold} s"
+        f"\n{args.model.name} ({args.dtype}): {args.prompts} prompts x {args.prompt_tokens} tokens "
+        f"of {len(TEXTS)} texts, gen {args.gen}, cap {args.cap}, Residual held {args.hold} s"
     )
     print(
         "| anchor bits | protect first:last (tokens) | Anchor bytes added | tolerance | held | acceptance "

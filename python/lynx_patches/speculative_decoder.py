@@ -28,11 +28,13 @@ through :mod:`lynx_patches.upstream`. The request's life (``lynx.verify.state``)
 * a Residual that fails or misses its deadline, or an abort while parked: roll back to
   ``t_0``, finish the request with the abort, release its KV and answer the client.
 
-Greedy requests are verified by argmax. Requests sampled at a temperature (no top-k,
-top-p or min-p) by the speculative-sampling rule: the distribution each held token was
-drawn from is kept (:mod:`lynx_patches.model_runner`), so what is committed is distributed
-exactly as full-precision sampling. Settings the verify pass cannot reproduce exactly
-wait for the Residual instead of speculating (:func:`lynx.verify.unverifiable_because`).
+Greedy requests are verified by argmax. Sampled requests (temperature, top-k, top-p,
+min-p) by the speculative-sampling rule: the distribution each held token was drawn from
+is kept (:mod:`lynx_patches.model_runner`), so what is committed is distributed exactly as
+full-precision sampling. Requested logprobs of committed tokens are recomputed from the
+verify pass (:func:`lynx.verify.committed_logprobs`). Settings the verify pass cannot
+reproduce exactly wait for the Residual instead of speculating
+(:func:`lynx.verify.unverifiable_because`).
 
 Contract: every method runs on the scheduler thread (hooks in the scheduler loop, the
 sampler, the output streamer); none blocks. :meth:`SpeculativeDecoder.step` runs once per
@@ -56,6 +58,7 @@ import torch
 from lynx.metrics import LynxMetrics
 from lynx.transfer import ProgressiveReceiver, RequestLayout, RoomReport, Verdict
 from lynx.verify import (
+    CommittedLogprobs,
     HeldTokens,
     ParkReason,
     SamplingSettings,
@@ -63,6 +66,7 @@ from lynx.verify import (
     SpeculationReport,
     SpeculationStats,
     WindowEstimator,
+    committed_logprobs,
     decide,
     held_tokens_problem,
     kv_after_commit,
@@ -306,13 +310,23 @@ class SpeculativeDecoder:
         assert spec is not None, f"request {req.rid} is not tracked by Lynx"
         return spec
 
-    def _commit(self, scheduler: Any, req: Any, accepted: int, correction: int | None) -> None:
-        """Keep ``t_0``, the first ``accepted`` held tokens and the correction (if any);
+    def _commit(
+        self,
+        scheduler: Any,
+        req: Any,
+        accepted: int,
+        correction: int | None,
+        logprobs: CommittedLogprobs | None = None,
+    ) -> None:
+        """Keep ``t_0``, the first ``accepted`` held tokens and the correction (if any),
+        with ``logprobs`` (theirs, from the verify pass) if the request asked for them;
         free the KV of the rest."""
         spec = self._spec(req)
         upstream.truncate_output(req, 1 + accepted)
         if correction is not None:
             upstream.append_output(req, correction)
+        if spec.sampling.logprobs is not None:
+            upstream.replace_output_logprobs(req, 1, logprobs or CommittedLogprobs())
         upstream.recount_reasoning(scheduler, req, spec.reasoning, req.output_ids[1:])
         commit = kv_after_commit(
             spec.prompt_len, len(req.output_ids), upstream.kv_allocated_len(req), self.page_size
@@ -408,6 +422,11 @@ class SpeculativeDecoder:
                     generator=self._generator,
                     tolerance=self.tolerance,
                 )
+                logprobs = (
+                    committed_logprobs(rows, decision.committed(spec.held.tokens), spec.sampling.logprobs)
+                    if rows is not None and spec.sampling.logprobs is not None
+                    else None
+                )
             except ValueError as exc:  # e.g. non-finite verify logits: this request only
                 self._fail(scheduler, req, f"verifying its held tokens failed: {exc}")
                 continue
@@ -415,7 +434,7 @@ class SpeculativeDecoder:
                 self.window.observe_decoding(decision.held, spec.last_held_at - spec.admitted_at)
             park_reason = spec.held.park_reason
             spec.held.committed(decision.accepted)
-            self._commit(scheduler, req, decision.accepted, decision.correction)
+            self._commit(scheduler, req, decision.accepted, decision.correction, logprobs)
             spec.report = report(
                 decision,
                 window=spec.held.cap,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lynx.transfer import Upstream
-from lynx.verify import SamplingSettings
+from lynx.verify import CommittedLogprobs, LogprobRequest, SamplingSettings
 
 CONN = "sglang.srt.disaggregation.mooncake.conn"
 COMMON_CONN = "sglang.srt.disaggregation.common.conn"
@@ -59,6 +59,15 @@ _SENDER = f"{CONN}.MooncakeKVSender"
 _REQ = f"{SCHEDULE_BATCH}.Req"
 _BATCH = f"{SCHEDULE_BATCH}.ScheduleBatch"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+# A request's per-output-token logprob lists (``Req.logprob``), one entry per output token.
+_OUTPUT_LOGPROB_FIELDS = (
+    "output_token_logprobs_val",
+    "output_token_logprobs_idx",
+    "output_top_logprobs_val",
+    "output_top_logprobs_idx",
+    "output_token_ids_logprobs_val",
+    "output_token_ids_logprobs_idx",
+)
 
 CONTRACT: tuple[Relied, ...] = (
     # Mooncake connector: what Lynx's subclasses read, call and override.
@@ -140,6 +149,10 @@ CONTRACT: tuple[Relied, ...] = (
     _a(_REQ, "output_ids"),
     _a(_REQ, "sampling_params"),
     _a(_REQ, "return_logprob"),
+    _a(_REQ, "logprob"),
+    *(_a(f"{SCHEDULE_BATCH}.ReqLogprob", name) for name in ("top_logprobs_num", "token_ids_logprob")),
+    *(_a(f"{SCHEDULE_BATCH}.ReqLogprob", name) for name in _OUTPUT_LOGPROB_FIELDS),
+    Relied("sglang.srt.layers.sampler", "SGLANG_RETURN_ORIGINAL_LOGPROB", "member"),
     _a(_REQ, "grammar"),
     _a(_REQ, "custom_logit_processor"),
     _a(_REQ, "return_hidden_states"),
@@ -484,7 +497,7 @@ def sampling_settings(req: Any, vocab: int) -> SamplingSettings:
         top_p=float(params.top_p),
         min_p=float(params.min_p),
         vocab_size=vocab,
-        logprobs=bool(req.return_logprob),
+        logprobs=logprob_request(req),
         grammar=req.grammar is not None,
         penalties=bool(
             params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0
@@ -498,6 +511,42 @@ def sampling_settings(req: Any, vocab: int) -> SamplingSettings:
             req.return_sampling_mask or req.return_routed_experts or req.return_indexer_topk
         ),
     )
+
+
+def logprob_request(req: Any) -> LogprobRequest | None:
+    """What ``req`` asked to get back per output token, as upstream's sampler computes it
+    (the request's temperature, unless ``SGLANG_RETURN_ORIGINAL_LOGPROB``); None without
+    ``return_logprob``."""
+    if not req.return_logprob:
+        return None
+    token_ids = req.logprob.token_ids_logprob
+    return LogprobRequest(
+        top_n=int(req.logprob.top_logprobs_num),
+        token_ids=None if token_ids is None else tuple(int(t) for t in token_ids),
+        temperature=1.0 if returns_original_logprobs() else float(req.sampling_params.temperature),
+    )
+
+
+def returns_original_logprobs() -> bool:
+    """Upstream's sampler returns logprobs before temperature scaling
+    (``SGLANG_RETURN_ORIGINAL_LOGPROB``)."""
+    from sglang.srt.layers import sampler
+
+    return bool(sampler.SGLANG_RETURN_ORIGINAL_LOGPROB)
+
+
+def replace_output_logprobs(req: Any, keep: int, committed: CommittedLogprobs) -> None:
+    """Keep the first ``keep`` entries of each per-output-token logprob list (``t_0``'s,
+    from prefill) and append ``committed``'s after them."""
+    lists = req.logprob
+    for name in _OUTPUT_LOGPROB_FIELDS:
+        del getattr(lists, name)[keep:]
+    lists.output_token_logprobs_val.extend(committed.token_val)
+    lists.output_token_logprobs_idx.extend(committed.token_idx)
+    lists.output_top_logprobs_val.extend(committed.top_val)
+    lists.output_top_logprobs_idx.extend(committed.top_idx)
+    lists.output_token_ids_logprobs_val.extend(committed.ids_val)
+    lists.output_token_ids_logprobs_idx.extend(committed.ids_idx)
 
 
 # Upstream counts reasoning tokens as it appends each output token, in a small state

@@ -234,17 +234,48 @@ def test_sampled_requests_speculate_and_unverifiable_ones_wait(servers: dict, id
         assert sampled["meta_info"]["completion_tokens"] == 16
         assert speculation(sampled)["held"] > 0, sampling
     before = state(servers["DS"])["lynx_transfer"]["speculation"]["waited"]
-    with_logprobs = pd_generate(
-        servers["PS"],
-        servers["DS"],
-        PROMPTS[2],
-        max_new_tokens=16,
-        sampling={"temperature": 0.8},
-        extra={"return_logprob": True},
+    penalised = pd_generate(
+        servers["PS"], servers["DS"], PROMPTS[2], max_new_tokens=16, sampling={"frequency_penalty": 0.5}
     )
-    assert with_logprobs["meta_info"]["completion_tokens"] == 16
-    assert speculation(with_logprobs)["held"] == 0
+    assert penalised["meta_info"]["completion_tokens"] == 16
+    assert speculation(penalised)["held"] == 0
     assert state(servers["DS"])["lynx_transfer"]["speculation"]["waited"] == before + 1
+    wait_for(lambda: idle(servers["DS"], idle_kv["DS"]), "idle")
+
+
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17]}
+
+
+def test_logprobs_of_speculated_tokens_equal_plain_pds(servers: dict, idle_kv: dict) -> None:
+    """A request asking for logprobs speculates; the logprobs it returns for every token
+    (including corrections after rejected held tokens) are the verify pass's, equal to
+    plain BF16 PD's within the kernels' rounding."""
+    rejected = 0
+    for prompt in PROMPTS[:4]:
+        spec = pd_generate(servers["PS"], servers["DS"], prompt, max_new_tokens=24, extra=LOGPROBS)
+        plain = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24, extra=LOGPROBS)
+        assert spec["output_ids"] == plain["output_ids"], prompt[:40]
+        assert speculation(spec)["held"] > 0
+        rejected += speculation(spec)["rejected"]
+        ours, theirs = spec["meta_info"], plain["meta_info"]
+        assert [t for _, t, _ in ours["output_token_logprobs"]] == spec["output_ids"]
+        for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+            assert len(ours[key]) == len(theirs[key]) == 24, key
+        for a, b in zip(ours["output_token_logprobs"], theirs["output_token_logprobs"], strict=True):
+            assert a[0] == pytest.approx(b[0], abs=2e-3), (prompt[:40], a, b)
+        for a_top, b_top in zip(ours["output_top_logprobs"], theirs["output_top_logprobs"], strict=True):
+            assert [t for _, t, _ in a_top] == [t for _, t, _ in b_top]
+            assert [v for v, _, _ in a_top] == pytest.approx([v for v, _, _ in b_top], abs=2e-3)
+        # t_0's token-id row is empty on both: prefill does not compute it
+        ids = zip(ours["output_token_ids_logprobs"][1:], theirs["output_token_ids_logprobs"][1:], strict=True)
+        for a_ids, b_ids in ids:
+            assert [v for v, _, _ in a_ids] == pytest.approx([v for v, _, _ in b_ids], abs=2e-3)
+    assert rejected > 0  # corrections carry the verify pass's logprobs too
+    sampled = pd_generate(
+        servers["PS"], servers["DS"], PROMPTS[2], 16, sampling={"temperature": 0.8}, extra=LOGPROBS
+    )
+    assert speculation(sampled)["held"] > 0
+    assert [t for _, t, _ in sampled["meta_info"]["output_token_logprobs"]] == sampled["output_ids"]
     wait_for(lambda: idle(servers["DS"], idle_kv["DS"]), "idle")
 
 

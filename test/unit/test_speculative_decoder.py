@@ -132,6 +132,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         return list(verify_logits)
 
     monkeypatch.setattr(upstream, "run_verify_forward", verify_forward)
+    monkeypatch.setattr(upstream, "returns_original_logprobs", lambda: False)
     monkeypatch.setattr(upstream, "release_and_answer", lambda scheduler, req: answered.append(req))
     monkeypatch.setattr(upstream, "abort_with", lambda req, reason: setattr(req, "to_finish", reason))
     receiver = Receiver()
@@ -199,9 +200,43 @@ def test_a_residual_that_fails_rolls_back_to_the_first_token(world: SimpleNamesp
     assert world.decoder.stats.failed == 1 and world.receiver.forgotten == [ROOM]
 
 
+def test_logprobs_of_committed_tokens_come_from_the_verify_pass(world: SimpleNamespace) -> None:
+    req = Req("a", temperature=1.0)
+    req.return_logprob = True
+    req.logprob = SimpleNamespace(
+        top_logprobs_num=1,
+        token_ids_logprob=[4],
+        output_token_logprobs_val=[-0.5],  # t_0's, from prefill
+        output_token_logprobs_idx=[7],
+        output_top_logprobs_val=[[-0.5]],
+        output_top_logprobs_idx=[[7]],
+        output_token_ids_logprobs_val=[[]],  # prefill leaves t_0's token-id row empty
+        output_token_ids_logprobs_idx=[[]],
+    )
+    scheduler = admitted(world, req)
+    assert world.decoder.is_speculating(req)  # logprobs no longer wait for the Residual
+    for token in (1, 2, 3):
+        req.decode_one(world.decoder, token)
+        for name in vars(req.logprob):
+            if name.startswith("output_"):
+                getattr(req.logprob, name).append("from the Anchor pass")
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    logits = choosing(1, 0, 3)
+    world.logits.append(logits)
+    world.decoder.step(scheduler)
+    assert req.output_ids == [7, 1, 0]
+    full = torch.log_softmax(logits, dim=-1)
+    lists = req.logprob
+    assert lists.output_token_logprobs_idx == [7, 1, 0]
+    assert lists.output_token_logprobs_val == pytest.approx([-0.5, float(full[0, 1]), float(full[1, 0])])
+    assert lists.output_top_logprobs_idx == [[7], [1], [0]]
+    assert lists.output_token_ids_logprobs_idx == [[], [4], [4]]
+    assert lists.output_token_ids_logprobs_val[1:] == [[pytest.approx(float(full[i, 4]))] for i in range(2)]
+
+
 def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace) -> None:
     req = Req("a")
-    req.return_logprob = True  # logprobs of held tokens are not rebuilt yet
+    req.grammar = object()  # a grammar's state cannot be rewound
     scheduler = admitted(world, req)
     spec = world.decoder.speculation_of(req)
     assert spec is not None and spec.held.state is SpecState.PARKED

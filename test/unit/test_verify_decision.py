@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lynx.verify import (
+    LogprobRequest,
     ParkReason,
     SamplingSettings,
     decide,
@@ -75,7 +76,7 @@ def test_sampled_requests_need_every_draft_distribution() -> None:
         ({"top_k": 4, "temperature": 0.8}, None),  # filtered sampling speculates too
         ({"top_p": 0.9, "top_k": VOCAB}, None),
         ({"min_p": 0.1, "top_k": VOCAB}, None),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": LogprobRequest(top_n=2)}, None),  # rebuilt from the verify pass
         ({"grammar": True}, "a grammar"),
         ({"penalties": True}, "penalties"),
         ({"min_new_tokens": True}, "min_new_tokens"),

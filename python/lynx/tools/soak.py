@@ -2,7 +2,8 @@
 while prefill is killed and restarted, stalled past the transfer deadline, and forged
 Lynx notices arrive at decode.
 
-Clients (``--clients`` threads, for ``--duration`` seconds) send through the router a mix
+Clients (``--clients`` threads, for ``--duration`` seconds or until the chaos is over
+and requests have been served for a while after it) send through the router a mix
 of greedy, greedy streamed, sampled and aborted requests over a fixed prompt set. Every
 greedy answer must equal the reference (plain BF16 PD, computed first on a separate pair:
 speculative mode with an exact Residual is exact); every other request must end, either
@@ -189,18 +190,25 @@ def one_request(kind: str, url: str, prompt: str, reference: list[int], tally: T
     tally.add("wrong", f"{kind}: {len(output)} tokens, first difference at {first}: {output} vs {reference}")
 
 
-def clients(url: str, refs: dict[str, list[int]], n: int, until: float, tally: Tally, timeout: float) -> None:
+def clients(
+    url: str, refs: dict[str, list[int]], n: int, stop: threading.Event, tally: Tally, timeout: float
+) -> None:
     kinds = ("greedy", "greedy", "greedy", "streamed", "sampled", "sampled", "aborted", "greedy")
     texts = list(refs)
 
     def loop(i: int) -> None:
         rng = random.Random(i)
-        while time.monotonic() < until:
+        failing = 0
+        while not stop.is_set():
             prompt = rng.choice(texts)
             failed_before = tally.failures()
             one_request(kinds[i % len(kinds)], url, prompt, refs[prompt], tally, timeout)
-            if tally.failures() > failed_before:
-                time.sleep(1.0)  # a client backs off after an error instead of hammering
+            failing = failing + 1 if tally.failures() > failed_before else 0
+            if failing:
+                # Back off (0.5 s doubling to 8 s) as a real client does while the
+                # cluster is down, instead of keeping the router and the restarting
+                # prefill's CPU busy with refusals.
+                stop.wait(min(8.0, 0.5 * 2 ** (failing - 1)))
 
     with ThreadPoolExecutor(n) as pool:
         list(pool.map(loop, range(n)))
@@ -232,10 +240,10 @@ class Forger:
         self._send(Notice(NoticeKind.LANDED, room, nonce=nonce, stream=Stream.RESIDUAL, nbytes=1 << 40))
         self._send(Notice(NoticeKind.RELEASED, room, nonce=nonce))
 
-    def run(self, until: float) -> None:
+    def run(self, stop: threading.Event) -> None:
         rng = random.Random(3)
         prompts_ = list(self._refs)
-        while time.monotonic() < until:
+        while not stop.is_set():
             self.forge(rng.getrandbits(62))
             prompt = rng.choice(prompts_)
             room = rng.getrandbits(62)
@@ -353,17 +361,27 @@ def stall_prefill(cluster: PDCluster, seconds: float) -> None:
         os.killpg(prefill.process.pid, signal.SIGCONT)
 
 
-def chaos(cluster: PDCluster, start: float, duration: float, log: Callable[[str], None]) -> None:
+def chaos(
+    cluster: PDCluster, start: float, duration: float, log: Callable[[str], None], stop: threading.Event
+) -> None:
+    """Kill and restart prefill, stall it past the deadline, kill and restart it again, at
+    fixed shares of ``duration`` but never sooner than ``duration / 6`` after the previous
+    act ended (a restart takes a minute or more on a loaded 2-core host, and requests must
+    be served between the acts); then set ``stop`` as long after the last one."""
     plan: list[tuple[float, str, Callable[[], None]]] = [
         (0.15, "prefill killed and restarted", lambda: restart_prefill(cluster)),
         (0.45, f"prefill stalled {DEADLINE_S + 3:.0f} s", lambda: stall_prefill(cluster, DEADLINE_S + 3)),
         (0.70, "prefill killed and restarted", lambda: restart_prefill(cluster)),
     ]
+    ready = start
     for at, what, act in plan:
-        time.sleep(max(0.0, start + at * duration - time.monotonic()))
+        time.sleep(max(0.0, start + at * duration - time.monotonic(), ready - time.monotonic()))
         began = time.monotonic() - start
         act()
         log(f"{began:.0f}-{time.monotonic() - start:.0f} s: {what}")
+        ready = time.monotonic() + duration / 6
+    time.sleep(max(0.0, start + duration - time.monotonic(), ready - time.monotonic()))
+    stop.set()
 
 
 def references(config: ServerConfig, log_dir: Path, texts: list[str]) -> dict[str, list[int]]:
@@ -386,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(
         model_path=args.model,
-        max_total_tokens=16384,
+        max_total_tokens=65536,  # every client's request fits: memory is not what this drills
         env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"},
     )
     texts = prompts(args.prompts)
@@ -409,15 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         idle = idle_figures(cluster)
         forger = Forger(notice_endpoint(cluster.log_paths[1]), cluster, refs, tally)
         start = time.monotonic()
-        until = start + args.duration
+        stop = threading.Event()
         timeout = 4 * DEADLINE_S + 120
         threads = [
-            threading.Thread(target=chaos, args=(cluster, start, args.duration, events.append)),
-            threading.Thread(target=forger.run, args=(until,)),
+            threading.Thread(target=chaos, args=(cluster, start, args.duration, events.append, stop)),
+            threading.Thread(target=forger.run, args=(stop,)),
         ]
         for t in threads:
             t.start()
-        clients(cluster.url, refs, args.clients, until, tally, timeout)
+        clients(cluster.url, refs, args.clients, stop, tally, timeout)
         for t in threads:
             t.join()
         forger.close()

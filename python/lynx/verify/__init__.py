@@ -2,6 +2,7 @@
 
 :mod:`lynx.verify.acceptance`: the greedy and speculative-sampling acceptance rules;
 :mod:`lynx.verify.sampling`: the distribution a sampled token is drawn from, rebuilt from logits;
+:mod:`lynx.verify.logprobs`: the logprobs a request asked for, rebuilt for its committed tokens;
 :mod:`lynx.verify.decision`: may a request speculate, what its verify pass commits, its report;
 :mod:`lynx.verify.state`: a speculative request's state machine and held tokens;
 :mod:`lynx.verify.rollback`: which KV slots a commit keeps and frees;
@@ -17,6 +18,7 @@ from lynx.verify.acceptance import (
     verify_sampling,
 )
 from lynx.verify.decision import VerifyDecision, decide, held_tokens_problem, report, unverifiable_because
+from lynx.verify.logprobs import CommittedLogprobs, LogprobRequest, committed_logprobs
 from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.sampling import SamplingSettings, filter_probs, target_probs
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
@@ -26,8 +28,10 @@ from lynx.verify.window import WindowEstimator, speculation_window
 __all__ = [
     "NEAR_TIE_GAP",
     "SPEC_TRANSITIONS",
+    "CommittedLogprobs",
     "HeldTokens",
     "KVCommit",
+    "LogprobRequest",
     "ParkReason",
     "SamplingSettings",
     "SpecState",
@@ -36,6 +40,7 @@ __all__ = [
     "VerifyDecision",
     "VerifyOutcome",
     "WindowEstimator",
+    "committed_logprobs",
     "decide",
     "filter_probs",
     "greedy_agreement",

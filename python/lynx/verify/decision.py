@@ -25,7 +25,6 @@ def unverifiable_because(sampling: SamplingSettings) -> str | None:
     it waits for the Residual instead of speculating), or None."""
     s = sampling
     checks = (
-        (s.logprobs, "logprobs"),
         (s.grammar, "a grammar"),
         (s.penalties, "penalties"),
         (s.min_new_tokens, "min_new_tokens"),
@@ -78,6 +77,10 @@ class VerifyDecision:
     @property
     def rejected(self) -> bool:
         return self.correction is not None
+
+    def committed(self, held: Sequence[int]) -> list[int]:
+        """The tokens it commits after ``t_0``, given the ``held`` tokens it decided on."""
+        return [*held[: self.accepted], *([] if self.correction is None else [self.correction])]
 
 
 def decide(

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lynx.verify.logprobs import LogprobRequest
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -26,8 +28,9 @@ class SamplingSettings:
     top_p: float
     min_p: float
     vocab_size: int
+    # What it asked to get back per output token (rebuilt from the verify pass), if anything.
+    logprobs: LogprobRequest | None = None
     # Per-token features the verify pass cannot reproduce exactly (yet), by name.
-    logprobs: bool = False
     grammar: bool = False
     penalties: bool = False
     min_new_tokens: bool = False
