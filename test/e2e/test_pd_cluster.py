@@ -1,7 +1,9 @@
-"""A real prefill + decode + router on the CPU, against single servers on the same model.
+"""A real PD cluster behind the router on the CPU, against single servers on the same model.
 
-Servers in this module: the PD cluster (``--lynx-mode speculative`` with the exact
-residual, arriving late: decode starts on 2-bit Anchors and verifies), a single server
+Servers in this module: the PD cluster, two prefill and two decode servers behind
+``sglang_router`` (``--lynx-mode speculative`` with the exact residual, arriving late:
+decode starts on 2-bit Anchors and verifies; the router pairs any prefill with any
+decode), a single server
 with the plugin loaded but no ``--lynx``, and a single server with the plugin not loaded
 at all (``SGLANG_PLUGINS`` names no plugin; only the ``sgl_kernel`` stand-in is on the
 path, without which upstream cannot start on the CPU). Through the router, with OpenAI
@@ -11,8 +13,14 @@ streaming, the client must see exactly what the single server answers.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,6 +47,20 @@ LYNX = [
     "exact",
     "--lynx-residual-hold",
     "1",
+    "--lynx-transfer-deadline",
+    "8",
+]
+# Prefill in turn, decode at random: over a few requests every pair serves. A prefill the
+# router finds dead is taken out within seconds (health checks every 2 s).
+ROUTER = [
+    "--prefill-policy",
+    "round_robin",
+    "--decode-policy",
+    "random",
+    "--cb-timeout-duration-secs",
+    "5",
+    "--health-check-interval-secs",
+    "2",
 ]
 PROMPTS = [
     "Hello",
@@ -55,7 +77,13 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict]:
     config = ServerConfig(model_path=tiny_model, max_total_tokens=8192, extra_args=CHUNK)
     group = {
         "pd": PDCluster(
-            config, log_dir, prefill_args=LYNX, decode_args=[*LYNX, "--disable-overlap-schedule"]
+            config,
+            log_dir,
+            prefill_args=LYNX,
+            decode_args=[*LYNX, "--disable-overlap-schedule"],
+            router_args=ROUTER,
+            prefills=2,
+            decodes=2,
         ),
         "plugin": SingleServer(config, log_dir, name="single-plugin"),
         "upstream": SingleServer(
@@ -67,6 +95,16 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict]:
     }
     with running(group):
         yield group
+
+
+@pytest.fixture(scope="module")
+def idle_decodes(servers: dict) -> list[int]:
+    """Each decode server's free KV tokens with nothing in flight."""
+    return [lynx_state(url)["lynx_kv_available_tokens"] for url in servers["pd"].decode_urls]
+
+
+def lynx_state(url: str) -> dict:
+    return http_json(url + "/server_info")["internal_states"][0]
 
 
 def generate(url: str, prompt: str, max_new_tokens: int = 24) -> dict:
@@ -151,9 +189,94 @@ def test_server_without_lynx_behaves_like_upstream(servers: dict) -> None:
 
 
 def test_lynx_settings_reach_both_schedulers(servers: dict) -> None:
-    for url in (servers["pd"].prefill_url, servers["pd"].decode_url):
+    for url in (*servers["pd"].prefill_urls, *servers["pd"].decode_urls):
         with urllib.request.urlopen(url + "/server_info", timeout=30) as response:
             state = json.loads(response.read())["internal_states"][0]
         assert state["lynx"]["anchor_bits"] == 2
         assert state["lynx"]["mode"] == "speculative"
         assert state["lynx"]["group_size"] == 64
+
+
+def test_requests_spread_over_every_pair_answer_exactly(servers: dict, idle_decodes: list[int]) -> None:
+    cluster = servers["pd"]
+    expected = {prompt: generate(servers["plugin"].url, prompt)["output_ids"] for prompt in PROMPTS}
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda p: (p, generate(cluster.url, p)), PROMPTS * 2))
+    for prompt, answer in answers:
+        assert answer["output_ids"] == expected[prompt], prompt[:40]
+    for url in cluster.prefill_urls:
+        assert lynx_state(url)["lynx_transfer"]["anchor_bytes"] > 0, f"{url} never sent"
+    for url in cluster.decode_urls:
+        assert lynx_state(url)["lynx_transfer"]["speculation"]["requests"] > 0, f"{url} never speculated"
+    wait_decodes_idle(cluster, idle_decodes)
+
+
+def wait_decodes_idle(cluster: PDCluster, idle_kv: list[int], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [lynx_state(url) for url in cluster.decode_urls]
+        figures = [(s["lynx_kv_available_tokens"], s["lynx_transfer"]["buffer_used"]) for s in states]
+        if figures == [(kv, 0) for kv in idle_kv]:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"decode (free KV, buffer used) {figures}, idle KV {idle_kv}")
+        time.sleep(0.5)
+
+
+def test_a_killed_prefill_fails_only_its_own_requests(servers: dict, idle_decodes: list[int]) -> None:
+    """Runs last: it kills the second prefill server while it has Lynx transfers in
+    flight. On decode those requests fail alone, with a clear error, at the transfer
+    deadline, and their pages are freed; the router retries them on the prefill left
+    (its default), so every client gets the exact answer or a clear error; the router goes
+    on serving through the prefill left."""
+    cluster = servers["pd"]
+    victim = cluster.processes[1]
+    assert victim.name == "prefill-1" and victim.process is not None
+    expected = {prompt: generate(servers["plugin"].url, prompt)["output_ids"] for prompt in PROMPTS}
+
+    def failed_on_decode() -> int:
+        # Before its Anchor lands a request fails in upstream's transfer poll (the prefill's
+        # connection is lost); after, in Lynx's (its Residual misses the deadline).
+        failures = re.compile(r"Decode transfer failed for request|Lynx: request \S+ \(room \d+\) failed")
+        logs = [path for path in cluster.log_paths if path.stem.startswith("decode")]
+        return sum(len(failures.findall(path.read_text(errors="replace"))) for path in logs)
+
+    before = failed_on_decode()
+    outcomes: list[tuple[str, dict | str]] = []
+
+    def one(prompt: str) -> None:
+        try:
+            outcomes.append((prompt, generate(cluster.url, prompt)))
+        except urllib.error.HTTPError as exc:
+            outcomes.append((prompt, exc.read().decode(errors="replace")))
+
+    with ThreadPoolExecutor(12) as pool:
+        for prompt in PROMPTS * 2:
+            pool.submit(one, prompt)
+        # Kill it while it has Lynx transfers in flight (the Residual is held 1 s).
+        deadline = time.monotonic() + 120
+        while lynx_state(cluster.prefill_urls[1])["lynx_transfer"]["rooms"] == 0:
+            assert time.monotonic() < deadline, "prefill-1 never got a request"
+            time.sleep(0.05)
+        os.killpg(victim.process.pid, signal.SIGKILL)
+    assert len(outcomes) == 2 * len(PROMPTS)
+    for prompt, out in outcomes:
+        if isinstance(out, str):
+            assert out.strip(), "a failed request must say why"
+        else:
+            assert out["output_ids"] == expected[prompt], prompt[:40]
+    print("client errors:", [out[:200] for _, out in outcomes if isinstance(out, str)])
+    wait_decodes_idle(cluster, idle_decodes)
+    assert failed_on_decode() > before, "no request was in flight on the killed prefill"
+    # The router stops sending to the dead prefill within seconds; then every answer is exact.
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            answers = [generate(cluster.url, prompt) for prompt in PROMPTS[:4]]
+            break
+        except urllib.error.HTTPError:
+            assert time.monotonic() < deadline, "the router did not recover from a dead prefill"
+            time.sleep(2.0)
+    for prompt, answer in zip(PROMPTS[:4], answers, strict=True):
+        assert answer["output_ids"] == expected[prompt]
+    wait_decodes_idle(cluster, idle_decodes)

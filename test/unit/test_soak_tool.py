@@ -36,3 +36,30 @@ def test_the_tally_keeps_outcomes_and_error_texts() -> None:
     assert tally.counts == {"greedy equal": 1, "failed, clear error": 1}
     ((text, n),) = tally.errors.items()
     assert n == 1 and len(text) == 120
+
+
+REFERENCE = soak.Reference(
+    output_ids=[5, 6, 7],
+    top=[{5: -0.1, 9: -3.0}, {6: -1.00, 8: -1.05, 2: -1.5}, {7: -0.2}],
+)
+
+
+def test_a_greedy_answer_equal_to_the_reference_passes() -> None:
+    assert soak.judge([5, 6, 7], REFERENCE) == ("greedy equal", None)
+
+
+def test_a_first_difference_at_a_near_tie_is_counted_apart_with_its_gap() -> None:
+    outcome, what = soak.judge([5, 8, 1], REFERENCE)
+    assert outcome == "greedy, near-tie"
+    assert what is not None and what.startswith("gap 0.0500 at 1:")
+
+
+def test_a_first_difference_beyond_the_near_tie_gap_or_outside_the_top_is_wrong() -> None:
+    assert soak.judge([5, 2, 7], REFERENCE)[0] == "wrong"  # gap 0.5
+    assert soak.judge([5, 3, 7], REFERENCE)[0] == "wrong"  # not among the reference's best
+    assert soak.judge([5, 6], REFERENCE)[0] == "wrong"  # cut short
+
+
+def test_the_reference_reads_upstreams_top_logprobs() -> None:
+    answer = {"output_ids": [4], "meta_info": {"output_top_logprobs": [[[-0.5, 4, None], [-0.9, 1, None]]]}}
+    assert soak.Reference.of(answer) == soak.Reference([4], [{4: -0.5, 1: -0.9}])

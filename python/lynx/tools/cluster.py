@@ -287,7 +287,12 @@ class SingleServer(_Group):
 
 
 class PDCluster(_Group):
-    """Prefill server + decode server + ``sglang_router`` in PD mode, on loopback."""
+    """``prefills`` prefill servers + ``decodes`` decode servers + ``sglang_router`` in PD
+    mode, on loopback. The router pairs any prefill with any decode per request.
+
+    ``prefill_url``, ``decode_url`` and ``bootstrap_port`` are the first servers'; the
+    ``*_urls`` lists have all. ``processes`` holds the prefills, then the decodes, then the
+    router; ``log_paths`` the same order."""
 
     def __init__(
         self,
@@ -298,42 +303,60 @@ class PDCluster(_Group):
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
         router_args: Sequence[str] = (),
+        prefills: int = 1,
+        decodes: int = 1,
     ) -> None:
         super().__init__()
+        if prefills < 1 or decodes < 1:
+            raise ValueError(
+                f"a PD cluster needs a prefill and a decode server, got {prefills} and {decodes}"
+            )
         self.config = config
         self.log_dir = log_dir
-        self.prefill_port, self.bootstrap_port = free_port(), free_port()
-        self.decode_port, self.router_port = free_port(), free_port()
-        self.prefill_url = f"http://{HOST}:{self.prefill_port}"
-        self.decode_url = f"http://{HOST}:{self.decode_port}"
+        prefill_ports = [free_port() for _ in range(prefills)]
+        self.bootstrap_ports = [free_port() for _ in range(prefills)]
+        decode_ports = [free_port() for _ in range(decodes)]
+        self.router_port = free_port()
+        self.prefill_urls = [f"http://{HOST}:{port}" for port in prefill_ports]
+        self.decode_urls = [f"http://{HOST}:{port}" for port in decode_ports]
         self.url = f"http://{HOST}:{self.router_port}"
         common = ["--disaggregation-transfer-backend", transfer_backend]
-        self._prefill_argv = [
-            *config.base_argv(self.prefill_port),
-            *common,
-            "--disaggregation-mode",
-            "prefill",
-            "--disaggregation-bootstrap-port",
-            str(self.bootstrap_port),
-            *prefill_args,
+        self._servers: list[tuple[str, list[str]]] = [
+            (
+                _numbered("prefill", i),
+                [
+                    *config.base_argv(port),
+                    *common,
+                    "--disaggregation-mode",
+                    "prefill",
+                    "--disaggregation-bootstrap-port",
+                    str(bootstrap),
+                    *prefill_args,
+                ],
+            )
+            for i, (port, bootstrap) in enumerate(zip(prefill_ports, self.bootstrap_ports, strict=True))
         ]
-        self._decode_argv = [
-            *config.base_argv(self.decode_port),
-            *common,
-            "--disaggregation-mode",
-            "decode",
-            *decode_args,
+        self._servers += [
+            (
+                _numbered("decode", i),
+                [*config.base_argv(port), *common, "--disaggregation-mode", "decode", *decode_args],
+            )
+            for i, port in enumerate(decode_ports)
+        ]
+        workers = [
+            *(
+                arg
+                for url, bootstrap in zip(self.prefill_urls, self.bootstrap_ports, strict=True)
+                for arg in ("--prefill", url, str(bootstrap))
+            ),
+            *(arg for url in self.decode_urls for arg in ("--decode", url)),
         ]
         self._router_argv = [
             sys.executable,
             "-m",
             "sglang_router.launch_router",
             "--pd-disaggregation",
-            "--prefill",
-            self.prefill_url,
-            str(self.bootstrap_port),
-            "--decode",
-            self.decode_url,
+            *workers,
             "--host",
             HOST,
             "--port",
@@ -347,8 +370,20 @@ class PDCluster(_Group):
         self._env = server_env(cpu=config.cpu, threads=config.threads_per_server, extra=config.env)
 
     @property
+    def prefill_url(self) -> str:
+        return self.prefill_urls[0]
+
+    @property
+    def decode_url(self) -> str:
+        return self.decode_urls[0]
+
+    @property
+    def bootstrap_port(self) -> int:
+        return self.bootstrap_ports[0]
+
+    @property
     def log_paths(self) -> list[Path]:
-        return [self.log_dir / f"{n}.log" for n in ("prefill", "decode", "router")]
+        return [self.log_dir / f"{name}.log" for name, _ in self._servers] + [self.log_dir / "router.log"]
 
     def _router_serves(self) -> bool:
         # The router answers 503 until it has registered both workers (~15 s after
@@ -363,18 +398,13 @@ class PDCluster(_Group):
 
     def start(self, timeout_s: float = 900.0) -> PDCluster:
         try:
-            prefill = self.launch(
-                ManagedProcess("prefill", self._prefill_argv, self.log_dir / "prefill.log", self._env)
-            )
-            decode = self.launch(
-                ManagedProcess("decode", self._decode_argv, self.log_dir / "decode.log", self._env)
-            )
-            servers = [prefill, decode]
+            servers = [
+                self.launch(ManagedProcess(name, argv, self.log_dir / f"{name}.log", self._env))
+                for name, argv in self._servers
+            ]
+            urls = [*self.prefill_urls, *self.decode_urls]
             _wait_until(
-                lambda: _healthy(self.prefill_url) and _healthy(self.decode_url),
-                servers,
-                timeout_s,
-                "prefill and decode servers",
+                lambda: all(_healthy(url) for url in urls), servers, timeout_s, "prefill and decode servers"
             )
             router = self.launch(
                 ManagedProcess("router", self._router_argv, self.log_dir / "router.log", dict(os.environ))
@@ -388,6 +418,11 @@ class PDCluster(_Group):
 
     def __enter__(self) -> PDCluster:
         return self.start()
+
+
+def _numbered(role: str, index: int) -> str:
+    """``prefill``, ``prefill-1``, ...: the first server keeps the plain name."""
+    return role if index == 0 else f"{role}-{index}"
 
 
 def start_together(groups: Sequence[SingleServer | PDCluster]) -> None:

@@ -6,12 +6,15 @@ Clients (``--clients`` threads, for ``--duration`` seconds or until the chaos is
 and requests have been served for a while after it) send through the router a mix
 of greedy, greedy streamed, sampled and aborted requests over a fixed prompt set. Every
 greedy answer must equal the reference (plain BF16 PD, computed first on a separate pair:
-speculative mode with an exact Residual is exact); every other request must end, either
-with an answer or with an error the client can read. A forger sends notices to decode's
-notice endpoint the whole time: for random rooms, and for the live rooms of requests it
-sends itself (wrong nonce, wrong byte count, an early RELEASED). At the end decode's free
-KV tokens and Lynx's receive buffer must be back at their idle values, and both servers
-must still answer.
+speculative mode with an exact Residual is exact) up to a near-tie: a first difference
+whose token the reference itself scores within ``NEAR_TIE_GAP`` of its best is counted
+apart, with its gap (the tiny random-weight model has flat logits, and upstream's kernels
+round differently for a verify pass of k rows than for one decode row); every other
+request must end, either with an answer or with an error the client can read. A forger
+sends notices to decode's notice endpoint the whole time: for random rooms, and for the
+live rooms of requests it sends itself (wrong nonce, wrong byte count, an early
+RELEASED). At the end decode's free KV tokens and Lynx's receive buffer must be back at
+their idle values, and both servers must still answer.
 
     python -m lynx.tools.soak --model ~/.cache/lynx/models/tiny-llama-s0 --duration 180 --clients 64
 
@@ -41,6 +44,7 @@ from typing import Any
 
 from lynx.tools.cluster import HOST, ClusterError, PDCluster, ServerConfig, http_json
 from lynx.transfer.protocol import Notice, NoticeKind, Stream
+from lynx.verify import NEAR_TIE_GAP
 
 MAX_NEW_TOKENS = 24
 DEADLINE_S = 6.0
@@ -100,12 +104,49 @@ def body(prompt: str, sampled: bool = False, **extra: Any) -> dict[str, Any]:
     return {"text": prompt, "sampling_params": params, **extra}
 
 
+TOP_LOGPROBS = 5  # per reference position: enough to find the token a near-tie flipped to
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A prompt's greedy answer on plain BF16 PD, with the best ``TOP_LOGPROBS``
+    log-probabilities at each position (token -> logprob)."""
+
+    output_ids: list[int]
+    top: list[dict[int, float]]
+
+    @classmethod
+    def of(cls, answer: dict[str, Any]) -> Reference:
+        rows = answer["meta_info"]["output_top_logprobs"]
+        return cls(answer["output_ids"], [{int(t): float(v) for v, t, *_ in row} for row in rows])
+
+
+def judge(output: list[int], ref: Reference) -> tuple[str, str | None]:
+    """A greedy answer against its reference: ``("greedy equal", None)``; ``("greedy, near-tie",
+    what)`` when the first differing token is within ``NEAR_TIE_GAP`` of the reference's
+    best at that position (upstream's kernels break such ties differently with the shape
+    of the batch: the verify pass runs k rows of one request at once); else ``("wrong",
+    what)``."""
+    if output == ref.output_ids:
+        return "greedy equal", None
+    pairs = zip(output, ref.output_ids, strict=False)
+    first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(output), len(ref.output_ids)))
+    what = f"{len(output)} tokens, first difference at {first}: {output} vs {ref.output_ids}"
+    if first < min(len(output), len(ref.top)):
+        best = ref.top[first]
+        ours = best.get(output[first])
+        if ours is not None and max(best.values()) - ours < NEAR_TIE_GAP:
+            return "greedy, near-tie", f"gap {max(best.values()) - ours:.4f} at {first}: {what}"
+    return "wrong", what
+
+
 @dataclass
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     counts: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     wrong: list[str] = field(default_factory=list)  # what each wrong output was, whole
+    near_ties: Counter[str] = field(default_factory=Counter)  # each near-tie difference, whole
 
     def failures(self) -> int:
         with self.lock:
@@ -118,6 +159,8 @@ class Tally:
                 self.errors[error[:120]] += 1
             if outcome == "wrong":
                 self.wrong.append(error or "")
+            if outcome.endswith("near-tie"):
+                self.near_ties[error or ""] += 1
 
 
 def _post(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -154,7 +197,7 @@ def _output_ids(answer: dict[str, Any]) -> list[int]:
     return answer["output_ids"]
 
 
-def one_request(kind: str, url: str, prompt: str, reference: list[int], tally: Tally, timeout: float) -> None:
+def one_request(kind: str, url: str, prompt: str, reference: Reference, tally: Tally, timeout: float) -> None:
     try:
         if kind == "greedy":
             output = _output_ids(_post(url + "/generate", body(prompt), timeout))
@@ -182,16 +225,12 @@ def one_request(kind: str, url: str, prompt: str, reference: list[int], tally: T
         else:
             tally.add("failed, clear error", f"{type(exc).__name__}: {exc}")
         return
-    if output == reference:
-        tally.add("greedy equal")
-        return
-    pairs = zip(output, reference, strict=False)
-    first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(output), len(reference)))
-    tally.add("wrong", f"{kind}: {len(output)} tokens, first difference at {first}: {output} vs {reference}")
+    outcome, what = judge(output, reference)
+    tally.add(outcome, None if what is None else f"{kind}: {what}")
 
 
 def clients(
-    url: str, refs: dict[str, list[int]], n: int, stop: threading.Event, tally: Tally, timeout: float
+    url: str, refs: dict[str, Reference], n: int, stop: threading.Event, tally: Tally, timeout: float
 ) -> None:
     kinds = ("greedy", "greedy", "greedy", "streamed", "sampled", "sampled", "aborted", "greedy")
     texts = list(refs)
@@ -218,7 +257,7 @@ class Forger:
     """Sends forged Lynx notices to decode's notice endpoint: for random rooms, and for the
     rooms of requests it sends itself (which must still answer correctly)."""
 
-    def __init__(self, endpoint: str, cluster: PDCluster, refs: dict[str, list[int]], tally: Tally) -> None:
+    def __init__(self, endpoint: str, cluster: PDCluster, refs: dict[str, Reference], tally: Tally) -> None:
         import zmq  # a dependency of SGLang's, not of Lynx's core
 
         self._ctx = zmq.Context()
@@ -264,7 +303,8 @@ class Forger:
                     time.sleep(0.05)
                 try:
                     output = answer.result()["output_ids"]
-                    self._tally.add("forged-room equal" if output == self._refs[prompt] else "wrong", None)
+                    outcome, what = judge(output, self._refs[prompt])
+                    self._tally.add(outcome.replace("greedy", "forged-room"), what)
                 except urllib.error.HTTPError as exc:
                     self._tally.add("forged-room failed, clear error", exc.read().decode(errors="replace"))
                 except (urllib.error.URLError, OSError) as exc:
@@ -384,9 +424,12 @@ def chaos(
     stop.set()
 
 
-def references(config: ServerConfig, log_dir: Path, texts: list[str]) -> dict[str, list[int]]:
+def references(config: ServerConfig, log_dir: Path, texts: list[str]) -> dict[str, Reference]:
+    asked = {"return_logprob": True, "top_logprobs_num": TOP_LOGPROBS}
     with PDCluster(config, log_dir / "reference") as plain, ThreadPoolExecutor(4) as pool:
-        answers = pool.map(lambda t: _post(plain.url + "/generate", body(t), 300)["output_ids"], texts)
+        answers = pool.map(
+            lambda t: Reference.of(_post(plain.url + "/generate", body(t, **asked), 300)), texts
+        )
         return dict(zip(texts, answers, strict=True))
 
 
@@ -425,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with lynx as cluster:
         idle = idle_figures(cluster)
-        forger = Forger(notice_endpoint(cluster.log_paths[1]), cluster, refs, tally)
+        forger = Forger(notice_endpoint(cluster.log_dir / "decode.log"), cluster, refs, tally)
         start = time.monotonic()
         stop = threading.Event()
         timeout = 4 * DEADLINE_S + 120
@@ -440,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
         forger.close()
         final = wait_quiet(cluster, idle, timeout_s=120)
-        serves = still_serves(cluster.url, texts[0], refs[texts[0]])
+        serves = still_serves(cluster.url, texts[0], refs[texts[0]].output_ids)
         stats = decode_state(cluster)["lynx_transfer"]
     figures = {
         "requests": sum(tally.counts.values()),
@@ -455,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         "chaos": events,
         "errors seen": dict(tally.errors.most_common(12)),
         "wrong outputs, whole": tally.wrong[:10],
+        "near-tie differences, whole": dict(tally.near_ties),
     }
     width = max(len(k) for k in figures)
     for key, value in figures.items():
