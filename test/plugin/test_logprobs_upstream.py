@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang.srt.layers.logprob_processor import OutputLogprobProcessor
 
 from lynx.verify import LogprobRequest, committed_logprobs
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rebuilt_logprobs_equal_upstreams(temperature: float) -> None:
+    # Imported here, not at collection: SGLang imports Triton, which must not be loaded
+    # before test/unit/test_codec_triton.py turns its interpreter on.
+    from sglang.srt.layers.logprob_processor import OutputLogprobProcessor
+
     torch.manual_seed(1)
     logits = torch.randn(5, 50) * 4
     tokens = [3, 17, 17, 0, 49]
