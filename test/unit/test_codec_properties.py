@@ -60,7 +60,8 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 def _group_ranges(case: Case) -> torch.Tensor:
-    """Per element: max - min of its group, computed independently of the codec (float64)."""
+    """Per element: max - min of its group and 0.0 (the format's ``lo``/``hi`` include 0),
+    computed independently of the codec (float64)."""
     x = case.x.double()
     tokens = x.shape[0]
     flat = x.reshape(tokens, -1)
@@ -69,10 +70,10 @@ def _group_ranges(case: Case) -> torch.Tensor:
         block = case.config.key_block
         for start in range(0, tokens, block):
             rows = flat[start : start + block]
-            out[start : start + block] = rows.amax(0) - rows.amin(0)
+            out[start : start + block] = rows.amax(0).clamp(min=0) - rows.amin(0).clamp(max=0)
         return out.reshape(x.shape)
     groups = x.reshape(*x.shape[:-1], -1, case.config.group_size)
-    width = groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)
+    width = groups.amax(-1, keepdim=True).clamp(min=0) - groups.amin(-1, keepdim=True).clamp(max=0)
     return width.expand_as(groups).reshape(x.shape)
 
 
@@ -91,10 +92,13 @@ def _round_trip(case: Case, with_residual: bool) -> torch.Tensor:
 def _bound(case: Case, steps: float) -> torch.Tensor:
     """Allowed |error|: ``steps`` quantization steps of the group + output rounding."""
     finfo = torch.finfo(case.x.dtype)
-    step = _group_ranges(case) / ((1 << case.config.anchor_bits) - 1)
+    ranges = _group_ranges(case)
+    step = ranges / ((1 << case.config.anchor_bits) - 1)
     # the stored scale is rounded up to the KV dtype (and to its smallest subnormal)
     step = torch.maximum(step * (1 + 2 * finfo.eps), torch.tensor(finfo.smallest_normal * finfo.eps))
-    rounding = (case.x.double().abs() + step) * finfo.eps * 2 + finfo.smallest_normal * finfo.eps
+    # the decode rounds terms as large as the group's extremes (lo * 0.5, w * scale * 0.5),
+    # however small the value itself: a few ulps of the group's range, not of |x|
+    rounding = (case.x.double().abs() + ranges + step) * finfo.eps * 2 + finfo.smallest_normal * finfo.eps
     return steps * step + rounding
 
 
