@@ -54,3 +54,10 @@ def test_too_few_rows_or_a_zero_temperature_raise() -> None:
         committed_logprobs(torch.zeros(2, VOCAB), [1, 2, 3], LogprobRequest())
     with pytest.raises(ValueError, match="positive temperature"):
         committed_logprobs(torch.zeros(2, VOCAB), [1], LogprobRequest(temperature=0.0))
+
+
+def test_token_ids_outside_the_vocabulary_raise_a_value_error() -> None:
+    with pytest.raises(ValueError, match="token id 6 is outside the vocabulary of 6"):
+        committed_logprobs(rows(), [1], LogprobRequest(token_ids=(2, 6)))
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        committed_logprobs(rows(), [-1], LogprobRequest())

@@ -52,6 +52,10 @@ def committed_logprobs(
         raise ValueError(f"{tuple(logits.shape)} verify logits for {n} committed tokens")
     if not asked.temperature > 0:
         raise ValueError(f"logprobs need a positive temperature, got {asked.temperature}")
+    vocab = logits.shape[1]
+    outside = [t for t in (*tokens, *(asked.token_ids or ())) if not 0 <= t < vocab]
+    if outside:  # an IndexError would escape the caller's per-request handling
+        raise ValueError(f"token id {outside[0]} is outside the vocabulary of {vocab}")
     out = CommittedLogprobs()
     if n == 0:
         return out
