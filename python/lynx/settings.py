@@ -200,7 +200,7 @@ def check_server_compatibility(
     disaggregation_mode: str,
     transfer_backend: str,
     disable_overlap_schedule: bool = False,
-    tp_size: int = 1,
+    attn_dp_size: int = 1,
     speculative_algorithm: str | None = None,
     decode_radix_cache: bool = False,
     kv_checksum: bool = False,
@@ -240,10 +240,13 @@ def check_server_compatibility(
             "--lynx-mode speculative cannot run with --disaggregation-decode-enable-radix-cache "
             "on the decode server: it would publish unverified Anchor-precision KV to other requests"
         )
-    if verifies_here and tp_size > 1:
-        # Each rank would see its Residual land in a different iteration and verify a
-        # different batch; the verdicts are not all-reduced yet.
-        raise LynxSettingsError("--lynx-mode speculative supports --tp-size 1 on the decode server for now")
+    if verifies_here and attn_dp_size > 1:
+        # Data-parallel attention runs a forward on every DP rank together (idle ones
+        # included), which the verify pass, run by one DP rank for its own requests, is not.
+        raise LynxSettingsError(
+            "--lynx-mode speculative cannot run with data-parallel attention (--attn-dp-size / "
+            "--enable-dp-attention) on the decode server: use tensor parallelism (--tp-size) only"
+        )
     if transfer_backend not in TRANSFER_BACKENDS:
         raise LynxSettingsError(
             "--lynx transfers KV over the Mooncake Transfer Engine: pass "

@@ -25,6 +25,8 @@ its top; together they are every upstream symbol Lynx touches:
   on the CPU attention backend.
 * :mod:`lynx_patches.disaggregation_mooncake_conn` -- CPU-engine guard on pinned,
   event-synchronised page indices.
+* :mod:`lynx_patches.distributed_parallel_state` -- CPU-engine fix for ``--tp-size > 1``:
+  no PyNccl communicator for CPU groups.
 
 Every SGLang internal the hooks rely on goes through :mod:`lynx_patches.upstream`, whose
 contract a test checks against the pinned release. Without ``--lynx`` every Lynx hook
@@ -38,6 +40,7 @@ from lynx_patches import (
     disaggregation_mooncake_conn,
     disaggregation_prefill,
     disaggregation_utils,
+    distributed_parallel_state,
     internal_state,
     model_runner,
     output_streamer,
@@ -67,3 +70,4 @@ def register() -> None:
     torch_native_backend.register()
     if is_cpu_engine():
         disaggregation_mooncake_conn.register()
+        distributed_parallel_state.register()

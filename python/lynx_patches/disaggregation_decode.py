@@ -10,8 +10,9 @@ Hook targets (``sglang.srt.`` omitted):
   is still in flight to the :class:`~lynx_patches.speculative_decoder.SpeculativeDecoder`.
 * ``disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue``
   AFTER (speculative mode): poll the Residuals, verify, commit, roll back
-  (:meth:`~lynx_patches.speculative_decoder.SpeculativeDecoder.step`). Upstream's loop is
-  quiescent there: the previous batch's results are processed, the next is not built.
+  (:meth:`~lynx_patches.speculative_decoder.SpeculativeDecoder.step`), agreeing with the
+  other TP ranks first. Upstream's loop is quiescent there: the previous batch's results
+  are processed, the next is not built; every rank runs it once per iteration.
 
 Contract: scheduler thread. ``_commit_transfer_to_req`` once per request whose transfer
 upstream concluded; ``process_decode_queue`` once per iteration. Without ``--lynx`` each
@@ -52,7 +53,7 @@ def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwarg
 def _speculate(result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> Any:
     decoder = runtime.speculative_decoder()
     if decoder is not None:
-        decoder.step(scheduler)
+        decoder.step(scheduler, upstream.rank_reduce_min(scheduler))
     return result
 
 

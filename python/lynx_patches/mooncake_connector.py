@@ -24,8 +24,9 @@ bootstrap/status thread; every other method on the scheduler thread.
 * ``mooncake.conn.MooncakeKVSender``: ``__init__`` and ``init`` (the request of the room
   exists, then its length is known: only then is decode's offer answered), ``poll`` (hold
   ``Success`` while chunks wait for send space: their KV pages must stay), ``clear``.
-* ``mooncake.conn.MooncakeKVReceiver``: ``send_metadata`` (take the room, reserve receive
-  space first; wait if there is none), ``poll`` (the Lynx gate, then decode), ``abort``,
+* ``mooncake.conn.MooncakeKVReceiver``: ``send_metadata`` (refuse a prefill server of
+  another attention-TP size; take the room, reserve receive space first; wait if there is
+  none), ``poll`` (the Lynx gate, then decode), ``abort``,
   ``clear``, ``failure_exception`` (a request refused for a room another request holds
   fails alone, with Lynx's reason).
 
@@ -233,6 +234,18 @@ class LynxKVReceiver(MooncakeKVReceiver):
         if state_indices and any(len(s) for s in state_indices if s is not None):
             self._lynx_fail("this model carries extra state (mamba/SWA) Lynx does not receive")
             return
+        peer_ranks = upstream.peer_attn_tp_size(self)
+        if peer_ranks is not None and peer_ranks != self._lynx.tp_ranks:
+            # Each prefill rank encodes and sends its own heads to the decode rank of the same
+            # index; a mixed layout would need head ranges split and merged across ranks.
+            self._lynx_fail(
+                f"prefill {self.bootstrap_addr} splits the KV heads over {peer_ranks} TP rank(s), "
+                f"this decode server over {self._lynx.tp_ranks}: Lynx pairs prefill and decode "
+                "ranks one to one and needs the same --tp-size (attention TP) on both; run them "
+                "with equal sizes, or without --lynx"
+            )
+            self.ensure_abort_notified()
+            return
         self.lynx_slots = page_slots(np.asarray(kv_indices), self._lynx.page_size)
         receiver = self._lynx.receiver
         assert receiver is not None
@@ -297,7 +310,10 @@ class LynxKVReceiver(MooncakeKVReceiver):
             self._lynx_release()
             return KVPoll.Failed
         self._lynx_written = True
-        if not full and receiver.mode.verifies:
+        # With TP ranks, one rank's Residual may have landed and another's not: every rank
+        # admits the request to speculation alike and they agree when to verify (a request
+        # refined everywhere commits at once, with nothing held).
+        if receiver.mode.verifies and (not full or lynx.tp_ranks > 1):
             self.lynx_speculating = True
             return status
         self.lynx_report = self._lynx_release()

@@ -45,6 +45,9 @@ class LynxRuntime:
     settings: LynxSettings
     handshake: Handshake
     page_size: int
+    # Attention-TP ranks this server's KV heads are split over; each rank runs its own
+    # runtime for its own heads and pairs with the peer rank of the same index.
+    tp_ranks: int = 1
     sender: ProgressiveSender | None = None  # prefill
     receiver: ProgressiveReceiver | None = None  # decode
     decoder: SpeculativeDecoder | None = None  # decode, speculative mode
@@ -104,8 +107,9 @@ def _notify(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -> Non
         logger.warning("Lynx: notice to %s:%s not sent: %s", *endpoint, exc)
 
 
-def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
-    """Bind Lynx to ``manager`` (a ``LynxKVManager``) and its server's KV ``pool``."""
+def build(manager: Any, pool: Any, settings: LynxSettings, seed: int | None = None) -> LynxRuntime:
+    """Bind Lynx to ``manager`` (a ``LynxKVManager``) and its server's KV ``pool``; ``seed``
+    (decode): the scheduler's, for the acceptance rule's coin flips."""
     if upstream.manager_is_mla(manager):
         raise LynxConfigError("--lynx supports MHA/GQA KV pools, not MLA models")
     k, v = upstream.kv_pool_buffers(pool)
@@ -126,7 +130,7 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
     nbytes = _buffer_bytes(k[0].shape[0], handshake, settings.buffer_bytes)
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=k[0].device)
     page_size = upstream.manager_page_size(manager)
-    runtime = LynxRuntime(settings, handshake, page_size)
+    runtime = LynxRuntime(settings, handshake, page_size, upstream.manager_attn_tp_size(manager))
     if upstream.manager_is_prefill(manager):
         engine, session_id = upstream.manager_transfer_engine(manager)
         runtime.sender = ProgressiveSender(
@@ -164,6 +168,7 @@ def build(manager: Any, pool: Any, settings: LynxSettings) -> LynxRuntime:
                 runtime.metrics,
                 tolerance=settings.verify_tolerance,
                 draft_memory_bytes=settings.draft_memory_bytes,
+                seed=seed,
             )
     # Where this side hears its peer's control messages (offers on prefill, notices on
     # decode): what to firewall, and what a drill aims forged messages at.
@@ -185,7 +190,8 @@ def build_on_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) ->
     manager = original(queue, *args, **kwargs)
     attach = getattr(manager, "lynx_attach", None)
     if attach is not None:
-        runtime = build(manager, upstream.queue_kv_pool(queue), manager.lynx_settings)
+        seed = None if upstream.manager_is_prefill(manager) else upstream.queue_random_seed(queue)
+        runtime = build(manager, upstream.queue_kv_pool(queue), manager.lynx_settings, seed)
         attach(runtime)
         install(runtime)
     return manager

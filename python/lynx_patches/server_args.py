@@ -143,6 +143,12 @@ def _apply_cpu_engine_defaults(args: argparse.Namespace) -> None:
         os.environ["SGLANG_HOST_IP"] = socket.gethostbyname(args.host)
 
 
+def _attn_dp_size(args: argparse.Namespace) -> int:
+    if getattr(args, "enable_dp_attention", False):  # deprecated spelling of --attn-dp-size <dp-size>
+        return int(getattr(args, "dp_size", 1) or 1)
+    return int(getattr(args, "attn_dp_size", 1) or 1)
+
+
 def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
     try:
         lynx_settings = settings_from_namespace(args)
@@ -154,7 +160,7 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
                 disaggregation_mode=args.disaggregation_mode,
                 transfer_backend=args.disaggregation_transfer_backend,
                 disable_overlap_schedule=bool(getattr(args, "disable_overlap_schedule", False)),
-                tp_size=int(getattr(args, "tp_size", 1) or 1),
+                attn_dp_size=_attn_dp_size(args),
                 speculative_algorithm=getattr(args, "speculative_algorithm", None),
                 decode_radix_cache=bool(getattr(args, "disaggregation_decode_enable_radix_cache", False)),
                 kv_checksum=bool(getattr(args, "disaggregation_enable_kv_checksum", False)),

@@ -61,11 +61,13 @@ from lynx.verify import (
     CommittedLogprobs,
     HeldTokens,
     ParkReason,
+    ReduceMin,
     SamplingSettings,
     SpecState,
     SpeculationReport,
     SpeculationStats,
     WindowEstimator,
+    agree,
     committed_logprobs,
     decide,
     held_tokens_problem,
@@ -79,6 +81,7 @@ from lynx_patches import upstream
 logger = logging.getLogger(__name__)
 
 META_INFO_KEY = "lynx_transfer"
+OTHER_RANK_FAILED = "its Residual failed on another TP rank of this decode server (see that rank's log)"
 _HOLDING = (SpecState.SPECULATIVE, SpecState.PARKED, SpecState.VERIFYING)
 
 
@@ -99,6 +102,7 @@ class Speculation:
     # sampler hook, taken when the token is held).
     pending_probs: torch.Tensor | None = None
     draft_bytes: int = 0  # what its held draft distributions take
+    refine_s: float | None = None  # how long refining its KV took, once it did
     # Upstream's reasoning-token count after t_0 (upstream.reasoning_state): a commit
     # restores it and counts the committed tokens again.
     reasoning: tuple[Any, ...] = ()
@@ -118,11 +122,16 @@ class SpeculativeDecoder:
         *,
         tolerance: float = 0.0,
         draft_memory_bytes: int = 256 << 20,
+        seed: int | None = None,
     ) -> None:
         self.receiver = receiver
-        # The acceptance rule's coin flips; seeded from the OS, like upstream's sampler.
+        # The acceptance rule's coin flips. TP ranks draw the same ones (``seed``: the
+        # server's --random-seed, as upstream's sampler), so they commit the same tokens.
         self._generator = torch.Generator()
-        self._generator.seed()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
         self.max_tokens = max_tokens
         self.tolerance = tolerance
         self.draft_memory_bytes = draft_memory_bytes
@@ -247,25 +256,52 @@ class SpeculativeDecoder:
 
     # ---- every scheduler iteration ----------------------------------------------------------
 
-    def step(self, scheduler: Any) -> None:
+    def step(self, scheduler: Any, reduce_min: ReduceMin | None = None) -> None:
+        """Poll the Residuals, refine the KV of those that landed, agree with the other TP
+        ranks (``reduce_min``, :func:`lynx.verify.agree`; None: one rank), then verify and
+        commit what every rank refined and fail what any rank failed."""
         if self._draining:
             self._drain()
         if not self._tracked:
             return
         self._take_out_parked(scheduler)
-        ready, failed = [], []
+        tracked, verdicts, reasons = [], [], []
         for room, req in list(self._tracked.items()):
             if req.finished():  # aborted in a batch, or finished on t_0
                 self._end(room, drain=True)
                 continue
             if room in self._parked and upstream.is_aborting(req):  # aborted while parked
-                failed.append((req, None))
-                continue
-            verdict, reason = self.receiver.residual_verdict(room)
+                verdict, reason = Verdict.FAIL, None
+            else:
+                verdict, reason = self.receiver.residual_verdict(room)
+                if verdict is Verdict.READY:
+                    verdict, reason = self._refine(req)
+                elif verdict is Verdict.FAIL:
+                    reason = reason or "the Residual did not arrive"
+            tracked.append(req)
+            verdicts.append(verdict)
+            reasons.append(reason)
+        if not tracked:
+            return
+        specs = [self._spec(req) for req in tracked]
+        agreement = agree(
+            [spec.room for spec in specs], [spec.held.cap for spec in specs], verdicts, reduce_min
+        )
+        ready, failed = [], []
+        for req, spec, window, verdict, reason, elsewhere in zip(
+            tracked,
+            specs,
+            agreement.windows,
+            agreement.verdicts,
+            reasons,
+            agreement.others_failed,
+            strict=True,
+        ):
+            spec.held.cap = window  # lowered only for requests that hold nothing yet
             if verdict is Verdict.READY:
                 ready.append(req)
             elif verdict is Verdict.FAIL:
-                failed.append((req, reason or "the Residual did not arrive"))
+                failed.append((req, OTHER_RANK_FAILED if elsewhere else reason))
         if not ready and not failed:
             return
         upstream.remove_from_batches(scheduler, [req for req, _ in failed] + ready)
@@ -273,6 +309,22 @@ class SpeculativeDecoder:
             self._fail(scheduler, req, reason)
         if ready:
             self._verify_and_commit(scheduler, ready)
+
+    def _refine(self, req: Any) -> tuple[Verdict, str | None]:
+        """The Residual landed: rewrite the request's prompt KV at full precision (once)."""
+        spec = self._spec(req)
+        if spec.refine_s is not None:
+            return Verdict.READY, None
+        started = time.monotonic()
+        try:
+            if not self.receiver.write_kv(spec.room, spec.slots):
+                raise RuntimeError("the Residual landed but the KV was not refined")
+        except Exception as exc:  # corrupt bytes or a Lynx bug: this request fails, not the server
+            logger.exception("Lynx: room %s: refining its KV failed", spec.room)
+            return Verdict.FAIL, f"refining the received KV failed: {exc}"
+        spec.refine_s = time.monotonic() - started
+        self.stats.refine_seconds += spec.refine_s
+        return Verdict.READY, None
 
     def roll_back_for_retraction(self, scheduler: Any) -> None:
         """Upstream is about to retract every running and staged request and rebuild its
@@ -361,25 +413,12 @@ class SpeculativeDecoder:
     def _verify_and_commit(self, scheduler: Any, reqs: list[Any]) -> None:
         # Phases timed apart (refine, forward, commit): the verify pass must cost a few
         # decode steps, and this says which phase does not.
-        refined, refine_s = [], {}
         for req in reqs:
-            spec = self._spec(req)
-            spec.held.verifying()
-            started = time.monotonic()
-            try:
-                if not self.receiver.write_kv(spec.room, spec.slots):
-                    raise RuntimeError("the Residual landed but the KV was not refined")
-            except Exception as exc:  # corrupt bytes or a Lynx bug: this request fails, not the server
-                logger.exception("Lynx: room %s: refining its KV failed", spec.room)
-                self._fail(scheduler, req, f"refining the received KV failed: {exc}")
-                continue
-            refined.append(req)
-            refine_s[id(req)] = time.monotonic() - started
-            self.stats.refine_seconds += refine_s[id(req)]
+            self._spec(req).held.verifying()
         # A request whose held tokens cannot be verified fails alone, before the forward
         # they would break for every request in it.
         checked = []
-        for req in refined:
+        for req in reqs:
             spec = self._spec(req)
             problem = (
                 "its held tokens are out of step with its output"
@@ -441,7 +480,7 @@ class SpeculativeDecoder:
                 park_reason=park_reason,
                 anchor_to_commit_s=time.monotonic() - spec.admitted_at,
                 verify_s=verify_s if rows is not None else 0.0,
-                refine_s=refine_s[id(req)],
+                refine_s=spec.refine_s or 0.0,
             )
             self.stats.record(spec.report)
             if self.metrics is not None:

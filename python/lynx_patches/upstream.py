@@ -13,7 +13,7 @@ before SGLang may be.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -129,11 +129,17 @@ CONTRACT: tuple[Relied, ...] = (
     _a(_RECEIVER, "bootstrap_room"),
     _a(_RECEIVER, "bootstrap_addr"),
     _a(_RECEIVER, "conclude_state"),
+    _a(_RECEIVER, "prefill_info"),
+    _a(f"{COMMON_CONN}.PrefillServerInfo", "attn_tp_size"),
+    _a(f"{COMMON_CONN}.CommonKVManager", "attn_tp_size"),
+    Relied("sglang.srt.disaggregation.utils", "all_reduce_flags", "function"),
     # The queues Lynx hooks, and what it reads off them.
     _m("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "_init_kv_manager"),
     _a("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "token_to_kv_pool"),
     _m("sglang.srt.disaggregation.decode.DecodePreallocQueue", "_init_kv_manager"),
     _a("sglang.srt.disaggregation.decode.DecodePreallocQueue", "token_to_kv_pool"),
+    _a("sglang.srt.disaggregation.decode.DecodePreallocQueue", "scheduler"),
+    _a("sglang.srt.managers.tp_worker.TpModelWorker", "random_seed"),
     _m("sglang.srt.disaggregation.decode.DecodeTransferQueue", "_commit_transfer_to_req", "decode_req"),
     _a("sglang.srt.disaggregation.decode.DecodeTransferQueue", "scheduler"),
     _a("sglang.srt.disaggregation.decode.DecodeRequest", "req"),
@@ -244,6 +250,7 @@ CONTRACT: tuple[Relied, ...] = (
             "disagg_prefill_bootstrap_queue",
             "disagg_decode_prealloc_queue",
             "enable_overlap",
+            "attn_tp_cpu_group",
         )
     ),
     *(
@@ -254,6 +261,7 @@ CONTRACT: tuple[Relied, ...] = (
             "disaggregation_decode_retraction_backup",
             "disable_overlap_schedule",
             "tp_size",
+            "attn_dp_size",
             "host",
             "enable_metrics",
             "speculative_algorithm",
@@ -428,6 +436,34 @@ def manager_page_size(manager: Any) -> int:
 
 def manager_engine_rank(manager: Any) -> int:
     return int(manager.kv_args.engine_rank)
+
+
+def manager_attn_tp_size(manager: Any) -> int:
+    """How many attention-TP ranks this server's KV heads are split over."""
+    return int(manager.attn_tp_size)
+
+
+def queue_random_seed(queue: Any) -> int:
+    """The random seed of the queue's scheduler: its model worker broadcasts one seed to
+    every TP rank, which upstream's sampler relies on."""
+    return int(queue.scheduler.tp_worker.random_seed)
+
+
+def peer_attn_tp_size(receiver: Any) -> int | None:
+    """Decode, after ``init``: the attention-TP size of the receiver's prefill server (None
+    if upstream never learnt it: its request has failed already)."""
+    info = getattr(receiver, "prefill_info", None)
+    return None if info is None else int(info.attn_tp_size)
+
+
+def rank_reduce_min(scheduler: Any) -> Callable[[list[int]], list[int]]:
+    """Elementwise MIN over the scheduler's attention-TP ranks (gloo, as upstream reduces
+    its transfer polls); the identity on one rank."""
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.utils import all_reduce_flags
+
+    group = scheduler.attn_tp_cpu_group
+    return lambda flags: all_reduce_flags(flags, group, dist.ReduceOp.MIN)
 
 
 def manager_is_prefill(manager: Any) -> bool:

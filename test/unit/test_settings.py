@@ -121,13 +121,13 @@ def test_speculative_decode_needs_the_non_overlap_scheduler() -> None:
     # prefill only sends both streams: its scheduler is not involved
     settings.check_server_compatibility(spec, disaggregation_mode="prefill", transfer_backend="mooncake_tcp")
 
-    with pytest.raises(LynxSettingsError, match="--tp-size 1"):
+    with pytest.raises(LynxSettingsError, match="data-parallel attention"):
         settings.check_server_compatibility(
             spec,
             disaggregation_mode="decode",
             transfer_backend="mooncake_tcp",
             disable_overlap_schedule=True,
-            tp_size=2,
+            attn_dp_size=2,
         )
 
 

@@ -359,3 +359,43 @@ def test_a_retracting_pause_rolls_speculation_back_first(world: SimpleNamespace)
     world.receiver.verdicts[ROOM] = (Verdict.READY, None)
     world.decoder.step(scheduler)  # a Residual landing later writes nothing
     assert world.receiver.written == [] and running.reasoning_tokens == 1
+
+
+def test_tp_ranks_verify_only_once_every_rank_refined(world: SimpleNamespace) -> None:
+    """This rank's Residual landed, the other rank's not yet: this rank refines its KV and
+    keeps decoding; both verify in the iteration where the other rank's lands too."""
+    other = {"verdict": 1}  # the other rank: WAIT, then READY
+
+    def reduce_min(values: list[int]) -> list[int]:
+        # [window, verdict code, room key, -room key] for one tracked request
+        theirs = [1, other["verdict"], values[2], values[3]]  # its window estimate: 1
+        return [min(a, b) for a, b in zip(values, theirs, strict=True)]
+
+    req = Req("a")
+    scheduler = admitted(world, req)
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    world.decoder.step(scheduler, reduce_min)
+    assert world.receiver.written == [ROOM] and world.decoder.is_speculating(req)
+    assert scheduler.running_batch.reqs == [req] and world.forwarded == []
+    req.decode_one(world.decoder, 1)  # the agreed window (the smaller estimate) is 1: it parks
+    assert not world.decoder.is_speculating(req) and world.decoder.holds_tokens(req)
+    other["verdict"] = 2
+    world.logits.append(choosing(1))
+    world.decoder.step(scheduler, reduce_min)
+    assert world.receiver.written == [ROOM]  # refined once
+    assert world.forwarded == [["a"]] and req.output_ids == [7, 1]
+    assert scheduler.waiting_queue == [req]
+
+
+def test_a_residual_failed_on_another_rank_fails_the_request_here(world: SimpleNamespace) -> None:
+    def reduce_min(values: list[int]) -> list[int]:
+        return [values[0], 0, values[2], values[3]]  # the other rank: FAIL
+
+    req = Req("a")
+    scheduler = admitted(world, req)
+    req.decode_one(world.decoder, 1)
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    world.decoder.step(scheduler, reduce_min)
+    assert req.output_ids == [7] and world.answered == [req]
+    assert req.finished_reason is not None and "another TP rank" in req.finished_reason
+    assert world.forwarded == []

@@ -696,3 +696,15 @@ def test_decoded_kv_does_not_depend_on_how_prefill_chunked(
         for got, want in ((got_k, plain_k), (got_v, plain_v)):
             for g, w in zip(got, want, strict=True):
                 assert torch.equal(g[unprotected], w[unprotected])
+
+
+def test_mismatch_of_heads_per_rank_names_the_tp_size() -> None:
+    split = Handshake("full", CodecConfig(), KVLayout(LAYOUT.num_layers, 1, LAYOUT.head_dim, LAYOUT.dtype))
+    message = HANDSHAKE.mismatch(split, this="this prefill server", other="decode d:1")
+    assert message is not None
+    assert "x 2 heads x" in message and "x 1 heads x" in message
+    assert "--tp-size" in message and "--lynx-*" not in message
+    # heads and anything else differing: the general hint
+    other = Handshake("full", CodecConfig(anchor_bits=2), split.layout)
+    message = HANDSHAKE.mismatch(other, this="a", other="b")
+    assert message is not None and "--lynx-*" in message and "--tp-size" not in message

@@ -201,11 +201,16 @@ class Handshake:
         """None if the two agree, else a message naming both sides' settings."""
         if peer == self:
             return None
-        return (
-            f"Lynx settings differ between {this} ({self.describe()}) and {other} "
-            f"({peer.describe()}): start both servers with the same --lynx-* flags "
-            "and the same model and KV dtype"
-        )
+        heads = dataclasses.replace(peer.layout, num_kv_heads=self.layout.num_kv_heads)
+        if dataclasses.replace(peer, layout=heads) == self:
+            hint = (
+                "only the KV heads per rank differ: the servers split the heads over different "
+                "--tp-size, and Lynx needs the same TP size on prefill and decode"
+            )
+        else:
+            hint = "start both servers with the same --lynx-* flags and the same model and KV dtype"
+        sides = f"{this} ({self.describe()}) and {other} ({peer.describe()})"
+        return f"Lynx settings differ between {sides}: {hint}"
 
 
 def _handshake_mode_code(data: bytes) -> int:

@@ -7,7 +7,8 @@
 :mod:`lynx.verify.state`: a speculative request's state machine and held tokens;
 :mod:`lynx.verify.rollback`: which KV slots a commit keeps and frees;
 :mod:`lynx.verify.window`: how many tokens a request holds before its Residual lands;
-:mod:`lynx.verify.stats`: what speculation did, per request and per server.
+:mod:`lynx.verify.stats`: what speculation did, per request and per server;
+:mod:`lynx.verify.agreement`: what a decode server's TP ranks agree on before they act.
 """
 
 from lynx.verify.acceptance import (
@@ -17,6 +18,7 @@ from lynx.verify.acceptance import (
     verify_greedy,
     verify_sampling,
 )
+from lynx.verify.agreement import RankAgreement, RankDivergenceError, ReduceMin, agree
 from lynx.verify.decision import VerifyDecision, decide, held_tokens_problem, report, unverifiable_because
 from lynx.verify.logprobs import CommittedLogprobs, LogprobRequest, committed_logprobs
 from lynx.verify.rollback import KVCommit, kv_after_commit
@@ -33,6 +35,9 @@ __all__ = [
     "KVCommit",
     "LogprobRequest",
     "ParkReason",
+    "RankAgreement",
+    "RankDivergenceError",
+    "ReduceMin",
     "SamplingSettings",
     "SpecState",
     "SpeculationReport",
@@ -40,6 +45,7 @@ __all__ = [
     "VerifyDecision",
     "VerifyOutcome",
     "WindowEstimator",
+    "agree",
     "committed_logprobs",
     "decide",
     "filter_probs",
