@@ -199,7 +199,6 @@ def check_server_compatibility(
     *,
     disaggregation_mode: str,
     transfer_backend: str,
-    disable_overlap_schedule: bool = False,
     attn_dp_size: int = 1,
     speculative_algorithm: str | None = None,
     decode_radix_cache: bool = False,
@@ -220,12 +219,6 @@ def check_server_compatibility(
             f"--disaggregation-mode prefill or decode (got {disaggregation_mode!r})"
         )
     verifies_here = settings.mode.verifies and disaggregation_mode == "decode"
-    if verifies_here and not disable_overlap_schedule:
-        # The overlap loop launches step N+1 before step N's tokens are known, so a
-        # request is never quiescent where Lynx verifies and rolls back.
-        raise LynxSettingsError(
-            "--lynx-mode speculative needs --disable-overlap-schedule on the decode server"
-        )
     if verifies_here and speculative_algorithm not in (None, "", "NONE"):
         # Both would hold and verify tokens in the same decode loop, each rolling back KV
         # the other one counts on.

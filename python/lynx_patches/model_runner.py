@@ -9,8 +9,8 @@ Hook target (``sglang.srt.`` omitted):
   temperature, softmax, top-k / top-p / min-p). Upstream then softmaxes the logits in
   place, so this runs first.
 
-Contract: scheduler thread (the model runner runs there with the non-overlap scheduler,
-which speculative mode requires); reads the logits, never changes them.
+Contract: scheduler thread (the model runner runs there with either scheduler loop);
+reads the logits, never changes them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _keep_draft_distributions(
         for i, pool_row in enumerate(rows):
             spec = sampled.get(pool_row)
             if spec is not None:
-                spec.pending_probs = target_probs(logits[i : i + 1], spec.sampling)[0]
+                spec.pending_probs.append(target_probs(logits[i : i + 1], spec.sampling)[0])
     return original(runner, logits_output, forward_batch, *args, **kwargs)
 
 

@@ -107,9 +107,12 @@ def _notify(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -> Non
         logger.warning("Lynx: notice to %s:%s not sent: %s", *endpoint, exc)
 
 
-def build(manager: Any, pool: Any, settings: LynxSettings, seed: int | None = None) -> LynxRuntime:
-    """Bind Lynx to ``manager`` (a ``LynxKVManager``) and its server's KV ``pool``; ``seed``
-    (decode): the scheduler's, for the acceptance rule's coin flips."""
+def build(
+    manager: Any, pool: Any, settings: LynxSettings, *, seed: int | None = None, overlap: bool = False
+) -> LynxRuntime:
+    """Bind Lynx to ``manager`` (a ``LynxKVManager``) and its server's KV ``pool``. Decode:
+    ``seed`` is the scheduler's (for the acceptance rule's coin flips), ``overlap`` whether
+    it runs the overlap loop."""
     if upstream.manager_is_mla(manager):
         raise LynxConfigError("--lynx supports MHA/GQA KV pools, not MLA models")
     k, v = upstream.kv_pool_buffers(pool)
@@ -169,6 +172,7 @@ def build(manager: Any, pool: Any, settings: LynxSettings, seed: int | None = No
                 tolerance=settings.verify_tolerance,
                 draft_memory_bytes=settings.draft_memory_bytes,
                 seed=seed,
+                overlap=overlap,
             )
     # Where this side hears its peer's control messages (offers on prefill, notices on
     # decode): what to firewall, and what a drill aims forged messages at.
@@ -190,8 +194,18 @@ def build_on_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) ->
     manager = original(queue, *args, **kwargs)
     attach = getattr(manager, "lynx_attach", None)
     if attach is not None:
-        seed = None if upstream.manager_is_prefill(manager) else upstream.queue_random_seed(queue)
-        runtime = build(manager, upstream.queue_kv_pool(queue), manager.lynx_settings, seed)
+        pool = upstream.queue_kv_pool(queue)
+        if upstream.manager_is_prefill(manager):
+            runtime = build(manager, pool, manager.lynx_settings)
+        else:
+            scheduler = upstream.queue_scheduler(queue)
+            runtime = build(
+                manager,
+                pool,
+                manager.lynx_settings,
+                seed=upstream.random_seed(scheduler),
+                overlap=upstream.overlaps(scheduler),
+            )
         attach(runtime)
         install(runtime)
     return manager

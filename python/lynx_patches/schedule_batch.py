@@ -2,8 +2,9 @@
 
 Hook targets (``sglang.srt.`` omitted):
 * ``managers.schedule_batch.Req.update_finish_state`` AROUND: upstream calls it after each
-  decode step appended a token. For a request decoding on Anchor KV, record the token as
-  held (parking the request at the cap) and defer a finish it would cause (EOS, stop
+  decode step appended a token. For a request decoding on Anchor KV (or the late token of
+  a parked one, under the overlap loop), record the token as held (parking the request
+  at the cap) and defer a finish it would cause (EOS, stop
   string, max_new_tokens): held tokens only count once verified. An abort passes
   through, with the output cut back to what was committed so no held token reaches the
   client.
@@ -31,7 +32,7 @@ RETRACT_DECODE = "managers.schedule_batch.ScheduleBatch.retract_decode"
 def _hold_or_defer(original: Any, req: Any, new_accepted_len: int = 1) -> Any:
     decoder = runtime.speculative_decoder()
     spec = decoder.speculation_of(req) if decoder is not None else None
-    if decoder is None or spec is None or not decoder.is_speculating(req):
+    if decoder is None or spec is None or not decoder.takes_token(req):
         return original(req, new_accepted_len)
     if upstream.is_aborting(req):  # the client sees only committed tokens
         upstream.truncate_output(req, 1)

@@ -47,6 +47,9 @@ def _with_parked(result: set[Any], *_args: Any, **_kwargs: Any) -> set[Any]:
 def _roll_back_before_retraction(scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
     decoder = runtime.speculative_decoder()
     if decoder is not None and upstream.pause_retracts(recv_req):
+        # Under the overlap loop the step in flight delivers its tokens first (upstream
+        # would process it next, after the roll-back, as committed output).
+        upstream.process_in_flight_batch(scheduler)
         decoder.roll_back_for_retraction(scheduler)
 
 

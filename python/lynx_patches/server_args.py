@@ -159,7 +159,6 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
                 lynx_settings,
                 disaggregation_mode=args.disaggregation_mode,
                 transfer_backend=args.disaggregation_transfer_backend,
-                disable_overlap_schedule=bool(getattr(args, "disable_overlap_schedule", False)),
                 attn_dp_size=_attn_dp_size(args),
                 speculative_algorithm=getattr(args, "speculative_algorithm", None),
                 decode_radix_cache=bool(getattr(args, "disaggregation_decode_enable_radix_cache", False)),

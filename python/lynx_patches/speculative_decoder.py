@@ -16,15 +16,18 @@ through :mod:`lynx_patches.upstream`. The request's life (``lynx.verify.state``)
   tokens is deferred (:mod:`lynx_patches.schedule_batch`).
 * at the cap, a deferred finish or memory pressure it is PARKED: taken out of the running
   batch (it keeps its KV) until its Residual lands.
-* every scheduler iteration, right after upstream's ``process_decode_queue`` (the
-  non-overlap loop is quiescent there), :meth:`SpeculativeDecoder.step` polls the
-  Residuals. For each that landed: take the request out of the batch, rewrite its prompt
-  KV at full precision, run ONE forward over ``t_0..t_{k-1}`` of all of them (one
-  decode row per held position, :func:`lynx_patches.upstream.run_verify_forward`),
-  accept, free the KV of rejected positions, check the finish over the committed run,
-  and hand the request back: upstream's prebuilt path re-admits it with its committed
-  tokens (streams them, seeds the next decode input), exactly as it resumes a retracted
-  request; a request the committed run finished is released and answered right away.
+* every scheduler iteration, right after upstream's ``process_decode_queue`` (before the
+  next batch is built), :meth:`SpeculativeDecoder.step` polls the Residuals and rewrites
+  the prompt KV of each that landed at full precision (the request decodes on until
+  every TP rank has, :func:`lynx.verify.agree`). For those refined on every rank: under
+  the overlap loop, first process the step still in flight (one bubble per verification;
+  a parked request's late token is held); take them out of the batch, run ONE forward
+  over ``t_0..t_{k-1}`` of all of them (one decode row per held position,
+  :func:`lynx_patches.upstream.run_verify_forward`), accept, free the KV of rejected
+  positions, check the finish over the committed run, and hand each request back:
+  upstream's prebuilt path re-admits it with its committed tokens (streams them, seeds
+  the next decode input), exactly as it resumes a retracted request; a request the
+  committed run finished is released and answered right away.
 * a Residual that fails or misses its deadline, or an abort while parked: roll back to
   ``t_0``, finish the request with the abort, release its KV and answer the client.
 
@@ -37,9 +40,10 @@ reproduce exactly wait for the Residual instead of speculating
 (:func:`lynx.verify.unverifiable_because`).
 
 Contract: every method runs on the scheduler thread (hooks in the scheduler loop, the
-sampler, the output streamer); none blocks. :meth:`SpeculativeDecoder.step` runs once per
-iteration where upstream's non-overlap loop is quiescent (no batch in flight);
-:meth:`admit` once per request; the rest may be called any number of times.
+sampler, the output streamer); none blocks except on the TP ranks' agreement, which
+every rank reaches once per iteration. :meth:`SpeculativeDecoder.step` runs once per
+iteration before the next batch is built (under the overlap loop the previous one may
+be in flight); :meth:`admit` once per request; the rest may be called any number of times.
 
 Imported at plugin registration, before SGLang may be imported: SGLang names are
 imported where they are used.
@@ -49,8 +53,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -98,9 +103,10 @@ class Speculation:
     last_held_at: float | None = None
     transfer: RoomReport | None = None
     report: SpeculationReport | None = None
-    # Sampled requests: the distribution the next token is being drawn from (set by the
-    # sampler hook, taken when the token is held).
-    pending_probs: torch.Tensor | None = None
+    # Sampled requests: the distributions tokens in flight are drawn from, oldest first
+    # (appended by the sampler hook, taken when the token is held). The overlap loop
+    # samples a step before the previous step's token is held: two may be in flight.
+    pending_probs: deque[torch.Tensor] = field(default_factory=deque)
     draft_bytes: int = 0  # what its held draft distributions take
     refine_s: float | None = None  # how long refining its KV took, once it did
     # Upstream's reasoning-token count after t_0 (upstream.reasoning_state): a commit
@@ -123,6 +129,7 @@ class SpeculativeDecoder:
         tolerance: float = 0.0,
         draft_memory_bytes: int = 256 << 20,
         seed: int | None = None,
+        overlap: bool = False,
     ) -> None:
         self.receiver = receiver
         # The acceptance rule's coin flips. TP ranks draw the same ones (``seed``: the
@@ -133,6 +140,10 @@ class SpeculativeDecoder:
         else:
             self._generator.manual_seed(seed)
         self.max_tokens = max_tokens
+        # Upstream's overlap loop: a step is launched before the last one's token is known,
+        # so a parked request gets one late token, and Lynx processes the step in flight
+        # before it takes requests out to verify or fail them.
+        self.overlap = overlap
         self.tolerance = tolerance
         self.draft_memory_bytes = draft_memory_bytes
         self.page_size = page_size
@@ -153,6 +164,16 @@ class SpeculativeDecoder:
         """Decoding on Anchor KV right now (its new tokens are held)."""
         spec = self.speculation_of(req)
         return spec is not None and spec.held.state is SpecState.SPECULATIVE
+
+    def takes_token(self, req: Any) -> bool:
+        """A token ``req`` just decoded is to be held: it decodes on Anchor KV, or (overlap
+        loop) it is the late token of a step launched before the request parked."""
+        spec = self.speculation_of(req)
+        if spec is None:
+            return False
+        if spec.held.state is SpecState.SPECULATIVE:
+            return True
+        return self.overlap and spec.held.state is SpecState.PARKED and not spec.held.late
 
     def holds_tokens(self, req: Any) -> bool:
         """Has tokens the client must not see yet."""
@@ -215,13 +236,17 @@ class SpeculativeDecoder:
             self.stats.requests += 1
 
     def hold(self, req: Any, token: int) -> None:
-        """``req`` decoded ``token`` on the Anchor: hold it (parking the request at the cap)."""
+        """``req`` decoded ``token`` on the Anchor (:meth:`takes_token`): hold it (parking the
+        request at the cap)."""
         spec = self.speculation_of(req)
         assert spec is not None
-        probs, spec.pending_probs = spec.pending_probs, None
+        probs = spec.pending_probs.popleft() if spec.pending_probs else None
         if spec.sampled and probs is None:
             raise RuntimeError(f"request {req.rid}: its draft distribution was not kept")
-        spec.held.hold(token, probs)
+        if spec.held.state is SpecState.PARKED:
+            spec.held.hold_late(token, probs)
+        else:
+            spec.held.hold(token, probs)
         spec.last_held_at = time.monotonic()
         if probs is not None:
             self._count_drafts(spec, probs.numel() * probs.element_size())
@@ -304,6 +329,16 @@ class SpeculativeDecoder:
                 failed.append((req, OTHER_RANK_FAILED if elsewhere else reason))
         if not ready and not failed:
             return
+        if self.overlap:
+            # One bubble per verification: the step in flight delivers its tokens (held, or
+            # the late token of a parked request) before these requests leave the batch.
+            upstream.process_in_flight_batch(scheduler)
+            self._take_out_parked(scheduler)
+            for req in [*ready, *(req for req, _ in failed)]:
+                if req.finished():  # aborted in that step: upstream released and answered it
+                    self._end(self._spec(req).room, drain=True)
+            ready = [req for req in ready if not req.finished()]
+            failed = [(req, reason) for req, reason in failed if not req.finished()]
         upstream.remove_from_batches(scheduler, [req for req, _ in failed] + ready)
         for req, reason in failed:
             self._fail(scheduler, req, reason)

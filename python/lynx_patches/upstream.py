@@ -234,6 +234,7 @@ CONTRACT: tuple[Relied, ...] = (
     Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "DECODE", "member"),
     _m("sglang.srt.managers.tp_worker.TpModelWorker", "forward_batch_generation", "batch", "is_verify"),
     _m(_SCHEDULER, "is_fully_idle"),
+    _m(_SCHEDULER, "process_batch_result", "batch", "result"),
     _m(_SCHEDULER, "collect_inflight_reqs"),
     *(
         _a(_SCHEDULER, name)
@@ -251,6 +252,8 @@ CONTRACT: tuple[Relied, ...] = (
             "disagg_decode_prealloc_queue",
             "enable_overlap",
             "attn_tp_cpu_group",
+            "last_batch",
+            "result_queue",
         )
     ),
     *(
@@ -443,10 +446,14 @@ def manager_attn_tp_size(manager: Any) -> int:
     return int(manager.attn_tp_size)
 
 
-def queue_random_seed(queue: Any) -> int:
-    """The random seed of the queue's scheduler: its model worker broadcasts one seed to
-    every TP rank, which upstream's sampler relies on."""
-    return int(queue.scheduler.tp_worker.random_seed)
+def queue_scheduler(queue: Any) -> Any:
+    return queue.scheduler
+
+
+def random_seed(scheduler: Any) -> int:
+    """The scheduler's random seed: its model worker broadcasts one seed to every TP rank,
+    which upstream's sampler relies on."""
+    return int(scheduler.tp_worker.random_seed)
 
 
 def peer_attn_tp_size(receiver: Any) -> int | None:
@@ -672,6 +679,22 @@ def remove_from_batches(scheduler: Any, reqs: Iterable[Any]) -> None:
         batch.filter_batch(keep_indices=[i for i, req in enumerate(batch.reqs) if id(req) not in ids])
     if any(id(req) in ids for req in scheduler.waiting_queue):
         scheduler.waiting_queue = [req for req in scheduler.waiting_queue if id(req) not in ids]
+
+
+def overlaps(scheduler: Any) -> bool:
+    """The scheduler runs upstream's overlap loop (a batch in flight while the last one's
+    results are processed)."""
+    return bool(scheduler.enable_overlap)
+
+
+def process_in_flight_batch(scheduler: Any) -> None:
+    """Overlap loop: process the results of the batch launched last iteration now, so no
+    request has a token in flight, and leave the loop no last batch to process -- what
+    upstream's own ``pause_generation`` does before it retracts. A no-op otherwise."""
+    if scheduler.enable_overlap and scheduler.last_batch is not None and scheduler.result_queue:
+        batch, result = scheduler.result_queue.popleft()
+        scheduler.process_batch_result(batch, result)
+        scheduler.last_batch = None
 
 
 def pause_retracts(recv_req: Any) -> bool:

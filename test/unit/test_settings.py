@@ -109,26 +109,17 @@ def test_server_compatibility(mode: str, backend: str, message: str) -> None:
     )
 
 
-def test_speculative_decode_needs_the_non_overlap_scheduler() -> None:
+def test_speculative_decode_refuses_data_parallel_attention() -> None:
     spec = LynxSettings(mode="speculative")
-    with pytest.raises(LynxSettingsError, match="--disable-overlap-schedule"):
-        settings.check_server_compatibility(
-            spec, disaggregation_mode="decode", transfer_backend="mooncake_tcp"
-        )
-    settings.check_server_compatibility(
-        spec, disaggregation_mode="decode", transfer_backend="mooncake_tcp", disable_overlap_schedule=True
-    )
-    # prefill only sends both streams: its scheduler is not involved
-    settings.check_server_compatibility(spec, disaggregation_mode="prefill", transfer_backend="mooncake_tcp")
-
+    settings.check_server_compatibility(spec, disaggregation_mode="decode", transfer_backend="mooncake_tcp")
     with pytest.raises(LynxSettingsError, match="data-parallel attention"):
         settings.check_server_compatibility(
-            spec,
-            disaggregation_mode="decode",
-            transfer_backend="mooncake_tcp",
-            disable_overlap_schedule=True,
-            attn_dp_size=2,
+            spec, disaggregation_mode="decode", transfer_backend="mooncake_tcp", attn_dp_size=2
         )
+    # prefill only sends both streams: its scheduler is not involved
+    settings.check_server_compatibility(
+        spec, disaggregation_mode="prefill", transfer_backend="mooncake_tcp", attn_dp_size=2
+    )
 
 
 @pytest.mark.parametrize(
@@ -140,9 +131,7 @@ def test_speculative_decode_needs_the_non_overlap_scheduler() -> None:
 )
 def test_speculative_decode_refuses_what_would_share_or_roll_back_its_kv(extra: dict, message: str) -> None:
     spec = LynxSettings(mode="speculative")
-    common = dict(
-        disaggregation_mode="decode", transfer_backend="mooncake_tcp", disable_overlap_schedule=True
-    )
+    common = dict(disaggregation_mode="decode", transfer_backend="mooncake_tcp")
     with pytest.raises(LynxSettingsError, match=message):
         settings.check_server_compatibility(spec, **common, **extra)
     # full mode never holds Anchor-precision KV in a running request

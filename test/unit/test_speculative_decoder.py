@@ -255,9 +255,9 @@ def test_sampled_requests_keep_their_draft_distributions(world: SimpleNamespace)
     assert world.decoder.sampled_rows() == {3: spec}
     with pytest.raises(RuntimeError, match="draft distribution was not kept"):
         req.decode_one(world.decoder, 1)
-    spec.pending_probs = torch.full((VOCAB,), 1.0 / VOCAB)
+    spec.pending_probs.append(torch.full((VOCAB,), 1.0 / VOCAB))
     req.decode_one(world.decoder, 2)
-    assert spec.held.tokens == [2] and spec.pending_probs is None
+    assert spec.held.tokens == [2] and not spec.pending_probs
 
 
 def test_per_token_outputs_wait_for_the_residual(world: SimpleNamespace) -> None:
@@ -325,7 +325,7 @@ def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -
     specs = [world.decoder.speculation_of(r) for r in (first, second)]
     for req, spec in ((first, specs[0]), (first, specs[0]), (second, specs[1])):
         assert spec is not None
-        spec.pending_probs = torch.full((VOCAB,), 1.0 / VOCAB)
+        spec.pending_probs.append(torch.full((VOCAB,), 1.0 / VOCAB))
         req.decode_one(world.decoder, 1)
     stats = world.decoder.stats
     assert stats.draft_bytes == stats.draft_bytes_peak == 3 * row

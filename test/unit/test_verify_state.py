@@ -72,3 +72,23 @@ def test_residual_before_the_cap_verifies_directly() -> None:
 def test_cap_must_be_positive() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         HeldTokens(cap=0)
+
+
+def test_one_late_token_after_the_park() -> None:
+    """The overlap scheduler launched the next step before the request parked."""
+    held = HeldTokens(cap=2)
+    with pytest.raises(ValueError, match="late token arrives once, after the park"):
+        held.hold_late(9)
+    held.hold(1)
+    held.hold(2)
+    assert held.state is SpecState.PARKED
+    held.hold_late(3)
+    assert held.tokens == [1, 2, 3] and held.late and held.state is SpecState.PARKED
+    with pytest.raises(ValueError, match="late token arrives once"):
+        held.hold_late(4)
+    sampled = HeldTokens(cap=1, draft_probs=[])
+    sampled.hold(1, torch.ones(4) / 4)
+    with pytest.raises(ValueError, match="draft distribution"):
+        sampled.hold_late(2)
+    sampled.hold_late(2, torch.ones(4) / 4)
+    assert sampled.draft_probs is not None and len(sampled.draft_probs) == 2

@@ -12,7 +12,8 @@
   first token, from prefill, is exact and is released at once).
 * ``PARKED``: out of the batch, waiting for the Residual: it holds ``cap`` tokens, or a
   held token would finish it (EOS, stop string, max_new_tokens), which only counts after
-  verification.
+  verification. Under the overlap scheduler the request's next step was launched before
+  it parked; that step's token, the *late* token, is held too (at most one per request).
 * ``VERIFYING``: the prompt KV is refined; one forward over the held tokens is queued or
   running.
 * ``COMMITTED``: the accepted prefix plus the correction are the request's tokens; it
@@ -68,6 +69,7 @@ class HeldTokens:
     tokens: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor] | None = None
     park_reason: ParkReason | None = None
+    late: bool = False  # the late token (see PARKED) was held
 
     def __post_init__(self) -> None:
         if self.cap < 1:
@@ -82,6 +84,20 @@ class HeldTokens:
         """Record one token decoded on Anchor KV; park at the cap."""
         if self.state is not SpecState.SPECULATIVE:
             raise ValueError(f"cannot hold a token in state {self.state.value}")
+        self._append(token, probs)
+        if len(self.tokens) >= self.cap:
+            self.park(ParkReason.CAP)
+
+    def hold_late(self, token: int, probs: torch.Tensor | None = None) -> None:
+        """Record the token of the step the overlap scheduler launched before the park."""
+        if self.state is not SpecState.PARKED or self.late:
+            raise ValueError(
+                f"a late token arrives once, after the park; state {self.state.value}, late {self.late}"
+            )
+        self._append(token, probs)
+        self.late = True
+
+    def _append(self, token: int, probs: torch.Tensor | None) -> None:
         if (probs is None) != (self.draft_probs is None):
             raise ValueError(
                 "a sampled request holds each token with its draft distribution, a greedy one without"
@@ -90,8 +106,6 @@ class HeldTokens:
         if self.draft_probs is not None:
             assert probs is not None
             self.draft_probs.append(probs)
-        if len(self.tokens) >= self.cap:
-            self.park(ParkReason.CAP)
 
     def park(self, reason: ParkReason) -> None:
         self.move(SpecState.PARKED)
