@@ -54,7 +54,6 @@ CONFIGS: dict[str, list[str]] = {
     "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
     "lynx-speculative": ["--lynx", "--lynx-mode", "speculative"],
 }
-DECODE_ONLY: dict[str, list[str]] = {"lynx-speculative": ["--disable-overlap-schedule"]}
 NETNS_ENV = "LYNX_BENCH_NETNS"
 SIDES = {"prefill": ("lynx-a", "10.77.0.1"), "decode": ("lynx-b", "10.77.0.2")}
 
@@ -171,7 +170,7 @@ class Pair:
 def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: dict[int, list[str]]) -> dict:
     log_dir = args.out / "logs"
     result: dict[str, Any] = {"outputs": [], "times": {}, "bytes_per_token": None, "speculation": []}
-    with Pair(name, CONFIGS[name], args, log_dir, DECODE_ONLY.get(name)) as pair:
+    with Pair(name, CONFIGS[name], args, log_dir) as pair:
         pair.generate("warm up", 2)
         for context, prompts in ttft.items():
             runs = []

@@ -64,8 +64,7 @@ def serve(
 ) -> list[dict]:
     """Each prompt's answer from a fresh pair; ``at_once``: all requests concurrently (the
     speculative runs, whose Residual is held back anyway), else one after the other."""
-    decode_flags = ["--disable-overlap-schedule"] if "speculative" in flags else []
-    with Pair(name, flags, args, args.out / "logs", decode_flags) as pair:
+    with Pair(name, flags, args, args.out / "logs") as pair:
         pair.generate("warm up", 2)
         with ThreadPoolExecutor(len(prompts) if at_once else 1) as pool:
             return list(pool.map(lambda p: pair.generate(p, args.gen)[0], prompts))

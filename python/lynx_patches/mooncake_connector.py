@@ -244,7 +244,9 @@ class LynxKVReceiver(MooncakeKVReceiver):
                 "ranks one to one and needs the same --tp-size (attention TP) on both; run them "
                 "with equal sizes, or without --lynx"
             )
-            self.ensure_abort_notified()
+            # Armed, so prefill's drain ACK releases the pages at once (upstream holds a
+            # failed request's pages until the ACK, or for its release timeout).
+            self.ensure_abort_notified(force_arm=True)
             return
         self.lynx_slots = page_slots(np.asarray(kv_indices), self._lynx.page_size)
         receiver = self._lynx.receiver

@@ -121,7 +121,7 @@ CONTRACT: tuple[Relied, ...] = (
     _m(_RECEIVER, "poll"),
     _m(_RECEIVER, "abort"),
     _m(_RECEIVER, "clear"),
-    _m(_RECEIVER, "ensure_abort_notified"),
+    _m(_RECEIVER, "ensure_abort_notified", "force_arm"),
     _m(_RECEIVER, "failure_exception"),
     _a(_RECEIVER, "_owns_bootstrap_room"),
     _a(_RECEIVER, "abort_notified"),

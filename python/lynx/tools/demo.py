@@ -6,8 +6,7 @@
     python -m lynx.tools.demo --lynx-args ""        # plain upstream PD, for comparison
 
 It prepares the model if needed, starts the three processes (Lynx speculative mode by
-default; the decode server then gets ``--disable-overlap-schedule``, which that mode
-needs), sends one OpenAI chat completion through the router (streamed, to measure the
+default), sends one OpenAI chat completion through the router (streamed, to measure the
 time to the first token), prints the answer, the TTFT, the KV bytes Lynx moved and what
 speculation did, and stops everything, also on Ctrl-C or a failed start.
 """
@@ -78,18 +77,6 @@ def chat_once(base_url: str, prompt: str, max_tokens: int) -> ChatResult:
     return ChatResult("".join(parts), ttft if ttft is not None else float("nan"), total, usage_tokens)
 
 
-def lynx_mode(lynx_args: list[str]) -> str | None:
-    """The ``--lynx-mode`` in a flag list (``full`` if only ``--lynx``), None without ``--lynx``."""
-    if "--lynx" not in lynx_args:
-        return None
-    for i, arg in enumerate(lynx_args):
-        if arg.startswith("--lynx-mode="):
-            return arg.split("=", 1)[1]
-        if arg == "--lynx-mode" and i + 1 < len(lynx_args):
-            return lynx_args[i + 1]
-    return "full"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lynx.tools.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
@@ -116,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model}")
     print(f"logs:  {log_dir.resolve()}/{{prefill,decode,router}}.log")
     try:
-        decode_args = ["--disable-overlap-schedule"] if lynx_mode(lynx_args) == "speculative" else []
-        with terminate_on_sigterm(), PDCluster(config, log_dir, decode_args=decode_args) as cluster:
+        with terminate_on_sigterm(), PDCluster(config, log_dir) as cluster:
             print(f"router: {cluster.url} (prefill {cluster.prefill_url}, decode {cluster.decode_url})")
             result = chat_once(cluster.url, args.prompt, args.max_tokens)
             print(f"\nprompt: {args.prompt}\nanswer: {result.answer.strip()}\n")

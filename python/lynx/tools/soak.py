@@ -95,7 +95,7 @@ def lynx_args(hold_s: float) -> tuple[list[str], list[str]]:
         "--lynx-transfer-deadline",
         str(DEADLINE_S),
     ]
-    return [*common, "--lynx-residual-hold", str(hold_s)], [*common, "--disable-overlap-schedule"]
+    return [*common, "--lynx-residual-hold", str(hold_s)], common
 
 
 def body(prompt: str, sampled: bool = False, **extra: Any) -> dict[str, Any]:
