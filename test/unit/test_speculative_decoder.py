@@ -399,3 +399,48 @@ def test_a_residual_failed_on_another_rank_fails_the_request_here(world: SimpleN
     assert req.output_ids == [7] and world.answered == [req]
     assert req.finished_reason is not None and "another TP rank" in req.finished_reason
     assert world.forwarded == []
+
+
+@pytest.fixture
+def overlapped(world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The decoder under upstream's overlap loop: ``world.in_flight`` lists the requests
+    of the step in flight, whose tokens ``process_in_flight_batch`` delivers."""
+    world.decoder = SpeculativeDecoder(world.receiver, max_tokens=3, page_size=1, metrics=None, overlap=True)  # type: ignore[arg-type]
+    world.in_flight, world.drained = [], []
+
+    def process_in_flight_batch(scheduler: Any) -> None:
+        world.drained.append(len(world.in_flight))
+        for req, token in world.in_flight:
+            if world.decoder.takes_token(req):
+                req.decode_one(world.decoder, token)
+        world.in_flight.clear()
+
+    monkeypatch.setattr(upstream, "process_in_flight_batch", process_in_flight_batch)
+    return world
+
+
+def test_overlap_parked_request_holds_its_one_late_token(overlapped: SimpleNamespace) -> None:
+    req = Req("a")
+    scheduler = admitted(overlapped, req)
+    for token in (1, 2, 3):
+        req.decode_one(overlapped.decoder, token)
+    assert not overlapped.decoder.is_speculating(req)  # parked at the cap...
+    assert overlapped.decoder.takes_token(req)  # ...with the step launched before still to come
+    req.decode_one(overlapped.decoder, 4)
+    assert overlapped.decoder.speculation_of(req).held.tokens == [1, 2, 3, 4]  # type: ignore[union-attr]
+    assert not overlapped.decoder.takes_token(req)
+    overlapped.decoder.step(scheduler)  # Residual still in flight: nothing to drain
+    assert overlapped.drained == [] and scheduler.running_batch.reqs == []
+
+
+def test_overlap_verification_processes_the_step_in_flight_first(overlapped: SimpleNamespace) -> None:
+    req = Req("a")
+    scheduler = admitted(overlapped, req)
+    req.decode_one(overlapped.decoder, 1)
+    overlapped.in_flight.append((req, 2))  # launched before the Residual landed
+    overlapped.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    overlapped.logits.append(choosing(1, 2))
+    overlapped.decoder.step(scheduler)
+    assert overlapped.drained == [1]  # one bubble, before the request left the batch
+    assert overlapped.forwarded == [["a"]] and req.output_ids == [7, 1, 2]
+    assert scheduler.waiting_queue == [req] and scheduler.running_batch.reqs == []
