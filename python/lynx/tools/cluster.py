@@ -444,8 +444,10 @@ def running(group: dict[str, Any]) -> Iterator[dict[str, Any]]:
     try:
         yield group
     finally:
-        for server in group.values():
-            server.stop()
+        # Together: each takes seconds to shut down gracefully (ten servers took a minute
+        # one after the other).
+        with ThreadPoolExecutor(max(1, len(group))) as pool:
+            list(pool.map(lambda server: server.stop(), group.values()))
 
 
 @contextlib.contextmanager
