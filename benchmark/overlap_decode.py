@@ -8,8 +8,10 @@ the Residual back ``--hold`` seconds, so every request decodes on its Anchor, pa
 cap and is verified while the others decode. Decode throughput: committed tokens after
 the first, over the span from the first request's first token to the last request's
 last token (verification bubbles included). Prints a table with the overlap / no-overlap
-ratio per mode, checks every pair's outputs equal its mode's no-overlap pair's, and
-writes JSON and a PNG plot to ``--out``.
+ratio per mode and how many outputs equal the no-overlap pair's (greedy, but concurrent
+requests batch differently from run to run, and on a random-weight model the CPU
+kernels' rounding at other batch shapes flips near-ties; exactness itself is asserted by
+the e2e tests), and writes JSON and a PNG plot to ``--out``.
 
     PYTHONPATH=python .venv/bin/python benchmark/overlap_decode.py \\
         --model ~/.cache/lynx/models/tiny-llama-s0
@@ -137,17 +139,25 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [measure(mode, overlap, args) for mode in args.modes for overlap in (False, True)]
     print(f"\n{args.model.name}: {args.clients} clients x {args.tokens} tokens, {args.rounds} rounds")
-    print("| mode | no overlap (tok/s) | overlap (tok/s) | overlap / no overlap | same outputs |")
+    print("| mode | no overlap (tok/s) | overlap (tok/s) | overlap / no overlap | outputs equal |")
     print("|---|---:|---:|---:|---|")
     summary = []
     for mode in args.modes:
         off, on = (next(r for r in rows if r["mode"] == mode and r["overlap"] == o) for o in (False, True))
-        same = on["outputs"] == off["outputs"]
+        rounds = zip(on["outputs"], off["outputs"], strict=True)
+        pairs = [(a, b) for ra, rb in rounds for a, b in zip(ra, rb, strict=True)]
+        equal = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
         ratio = on["median"] / off["median"]
         summary.append(
-            {"mode": mode, "no_overlap": off["median"], "overlap": on["median"], "ratio": ratio, "same": same}
+            {
+                "mode": mode,
+                "no_overlap": off["median"],
+                "overlap": on["median"],
+                "ratio": ratio,
+                "equal": equal,
+            }
         )
-        print(f"| {mode} | {off['median']:.1f} | {on['median']:.1f} | {ratio:.2f} | {same} |")
+        print(f"| {mode} | {off['median']:.1f} | {on['median']:.1f} | {ratio:.2f} | {equal} |")
     for r in rows:
         r.pop("outputs")
     (args.out / "overlap_decode.json").write_text(
