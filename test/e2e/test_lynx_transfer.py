@@ -56,7 +56,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def config(tiny_model: Path) -> ServerConfig:
-    return ServerConfig(model_path=tiny_model, max_total_tokens=4096, extra_args=COMMON)
+    # A decode whose prefill died holds the failed requests' pages for a drain ACK that never
+    # comes, until upstream's release timeout (30 s by default): shorter here.
+    return ServerConfig(
+        model_path=tiny_model,
+        max_total_tokens=4096,
+        extra_args=COMMON,
+        env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "10"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +223,7 @@ def test_prefill_killed_mid_transfer_fails_only_its_request(servers: dict, idle_
     _kill(prefill)
     assert _failure_of(doomed)
     # Upstream holds the request's KV pages until the dead prefill's drain ack, which never
-    # comes: its deferred release gives up after 30 s.
+    # comes: its deferred release gives up after the timeout (10 s here, see config).
     wait_for(lambda: idle(decode, idle_kv["D1"]), "idle", timeout_s=90)
     # The decode server serves on: a restarted prefill pairs with it again.
     prefill.start()

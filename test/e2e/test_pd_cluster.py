@@ -74,7 +74,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict]:
-    config = ServerConfig(model_path=tiny_model, max_total_tokens=8192, extra_args=CHUNK)
+    # A decode whose prefill died holds the failed requests' pages for a drain ACK that never
+    # comes, until upstream's release timeout (30 s by default): shorter here.
+    config = ServerConfig(
+        model_path=tiny_model,
+        max_total_tokens=8192,
+        extra_args=CHUNK,
+        env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "10"},
+    )
     group = {
         "pd": PDCluster(
             config,
