@@ -28,25 +28,10 @@ from pathlib import Path
 from bench_texts import benchmark_parser
 from pd_transfer import Pair
 
+from lynx.tools.soak import WORDS
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_OVERLAP = ["--disable-overlap-schedule"]
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "judge",
-    "boxing",
-]
 
 
 def mode_flags(mode: str, args: argparse.Namespace) -> list[str]:

@@ -93,6 +93,12 @@ def error_of(call: Callable[[], object]) -> str:
     return failure.value.read().decode(errors="replace")
 
 
+def speculation(answer: dict) -> dict:
+    """The speculation report of a decode server's answer ({} if it did not speculate)."""
+    (report,) = answer["meta_info"]["lynx_transfer"]
+    return report.get("speculation") or {}
+
+
 def state(server: SingleServer) -> dict:
     return http_json(server.url + "/server_info")["internal_states"][0]
 

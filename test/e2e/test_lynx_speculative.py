@@ -31,7 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_group, state, wait_for
+from pdtools import (
+    Prefill,
+    decode_server,
+    error_of,
+    idle,
+    pd_generate,
+    signal_group,
+    speculation,
+    state,
+    wait_for,
+)
 
 from lynx.tools.cluster import HOST, ServerConfig, http_json, running
 
@@ -98,11 +108,6 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def idle_kv(servers: dict) -> dict[str, int]:
     return {name: state(servers[name])["lynx_kv_available_tokens"] for name in ("DS", "DI")}
-
-
-def speculation(answer: dict) -> dict:
-    (report,) = answer["meta_info"]["lynx_transfer"]
-    return report.get("speculation") or {}
 
 
 def concurrently(calls: list[Any]) -> list[dict]:

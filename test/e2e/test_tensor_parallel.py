@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdtools import Prefill, decode_server, error_of, idle, pd_generate, state, wait_for
+from pdtools import Prefill, decode_server, error_of, idle, pd_generate, speculation, state, wait_for
 
 from lynx.tools.cluster import ServerConfig, running
 
@@ -79,10 +79,6 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def idle_kv(servers: dict) -> dict[str, int]:
     return {name: state(servers[name])["lynx_kv_available_tokens"] for name in ("DS", "D1")}
-
-
-def speculation(answer: dict) -> dict:
-    return answer["meta_info"]["lynx_transfer"][0].get("speculation") or {}
 
 
 def test_speculative_at_tp2_equals_plain_pd_at_tp2(servers: dict, idle_kv: dict) -> None:

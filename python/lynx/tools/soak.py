@@ -48,7 +48,7 @@ from lynx.verify import NEAR_TIE_GAP
 
 MAX_NEW_TOKENS = 24
 DEADLINE_S = 6.0
-_WORDS = [
+WORDS = [
     "the",
     "quick",
     "brown",
@@ -80,7 +80,7 @@ _WORDS = [
 def prompts(n: int) -> list[str]:
     """``n`` distinct prompts of 60..480 words, the same on every run."""
     rng = random.Random(7)
-    return [f"{i}: " + " ".join(rng.choice(_WORDS) for _ in range(60 + 30 * i)) for i in range(n)]
+    return [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(60 + 30 * i)) for i in range(n)]
 
 
 def lynx_args(hold_s: float) -> tuple[list[str], list[str]]:
