@@ -39,8 +39,11 @@ SPEC = [
     "2",
     "--lynx-max-speculative-tokens",
     "8",
+    # Generous: Mooncake 0.3.13.post1's TCP transport now and then leaves one write pending
+    # for seconds under load (both TP ranks at once; 4 in ~180 requests at an 8 s deadline),
+    # and no test here is about deadlines.
     "--lynx-transfer-deadline",
-    "8",
+    "30",
     "--lynx-residual-hold",
     "1.5",
 ]

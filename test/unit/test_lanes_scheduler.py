@@ -374,7 +374,10 @@ def test_deadline_fails_a_stuck_request_and_not_the_others(fake):
     stuck = fake.wait_batches(1)[0]
     status = lanes.wait("frozen", Lane.HIGH, 5)
     assert status.state is StreamState.FAILED
-    assert status.error == "deadline of 0.2 s passed"
+    assert status.error == (
+        "deadline of 0.2 s passed (HIGH: 0 of 16 bytes landed, 0 queued, last part submitted; "
+        "LOW: 0 of 0 bytes landed, 0 queued, last part not submitted yet; 1 write(s) in the engine)"
+    )
     assert lanes.status("frozen", Lane.LOW).state is StreamState.FAILED
     lanes.submit("fine", Lane.HIGH, [(SRC, DST + 64 * KIB, 16)], last=True)
     fine = fake.wait_batches(2)[1]

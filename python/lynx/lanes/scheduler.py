@@ -645,12 +645,27 @@ class LaneScheduler:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request = heapq.heappop(self._deadlines)
             if not request.settled():
-                self._end_request(
-                    request,
-                    StreamState.FAILED,
-                    f"deadline of {request.timeout_s:g} s passed",
-                    now,
-                )
+                self._end_request(request, StreamState.FAILED, self._overdue(request), now)
+
+    def _overdue(self, request: _Request) -> str:
+        """The deadline error, saying where each open stream stood: an operator must tell a
+        stream whose last bytes never came from one whose writes the engine never finished."""
+        queued = {lane: 0 for lane in Lane}
+        for lane, queue in request.peer.queues.items():
+            queued[lane] = sum(1 for item in queue if item.stream.request is request)
+        where = []
+        for lane, stream in request.streams.items():
+            if stream.state in TERMINAL_STATES:
+                continue
+            where.append(
+                f"{lane.name}: {stream.bytes_done} of {stream.bytes_submitted} bytes landed, "
+                f"{queued[lane]} queued, "
+                + ("last part submitted" if stream.last_seen else "last part not submitted yet")
+            )
+        return (
+            f"deadline of {request.timeout_s:g} s passed ({'; '.join(where)}; "
+            f"{request.chunks_in_engine} write(s) in the engine)"
+        )
 
     def _plan(self, now: float) -> tuple[list[_Chunk], list[_Peer]]:
         """Pick what goes to the engine now, and which new peers to probe first."""
