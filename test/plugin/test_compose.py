@@ -2,7 +2,7 @@
 each service's command line parsed by upstream's own parsers with the Lynx plugin loaded,
 so a flag typo in the compose file or docker/.env fails here, not in a user's cluster.
 Where ``docker-compose`` is installed, its own validation runs too. The full build and
-run is ``scripts/compose.sh up|check|down``."""
+run is not in CI."""
 
 from __future__ import annotations
 
