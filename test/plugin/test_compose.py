@@ -11,13 +11,12 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from test_plugin import CPU_ENV, HERE
+from probes import HERE, run_probe
 
 ROOT = HERE.parents[1]
 COMPOSE = ROOT / "docker" / "compose.yaml"
@@ -104,16 +103,7 @@ def test_server_command_lines_parse_with_upstream_and_the_plugin(tiny_model: Pat
     typo = {**env_file(), "LYNX_ARGS": env_file()["LYNX_ARGS"].replace("--lynx-mode", "--lynx-moed")}
     cases = {name: server_argv(name, tiny_model) for name in SERVERS}
     cases["typo"] = server_argv("decode", tiny_model, typo)
-    out = subprocess.run(
-        [sys.executable, str(HERE / "probe_server_args.py"), json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=CPU_ENV,
-        timeout=600,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("PROBE-RESULT "))["cases"]
+    result = run_probe("probe_server_args.py", json.dumps(cases))["cases"]
     prefill, decode = result["prefill"], result["decode"]
     assert "error" not in prefill and "error" not in decode, result
     assert prefill["lynx"] is not None and prefill["lynx"]["mode"] == "speculative"

@@ -4,30 +4,13 @@ request states. Runs in a fresh interpreter (``probe_connector.py``), as the ser
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-HERE = Path(__file__).parent
-CPU_ENV = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+from probes import run_probe
 
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
-    out = subprocess.run(
-        [sys.executable, str(HERE / "probe_connector.py")],
-        capture_output=True,
-        text=True,
-        env=CPU_ENV,
-        timeout=600,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("PROBE-RESULT "))
+    return run_probe("probe_connector.py")
 
 
 def test_a_duplicate_room_on_decode_fails_only_the_second_request(probe: dict) -> None:

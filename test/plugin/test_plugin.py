@@ -7,17 +7,14 @@ leak into the test process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from probes import CPU_ENV, HERE, run_probe
 
-HERE = Path(__file__).parent
-CPU_ENV = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
-CPU_ENV.pop("SGLANG_HOST_IP", None)
 LYNX_FLAGS = [
     "--lynx",
     "--lynx-mode",
@@ -127,16 +124,7 @@ def probe(tiny_model: Path) -> dict:
             "host_pool",
         ],
     }
-    out = subprocess.run(
-        [sys.executable, str(HERE / "probe_server_args.py"), json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=CPU_ENV,
-        timeout=600,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("PROBE-RESULT "))
+    return run_probe("probe_server_args.py", json.dumps(cases))
 
 
 def test_every_hook_target_was_applied(probe: dict) -> None:
