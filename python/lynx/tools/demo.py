@@ -4,11 +4,14 @@
     python -m lynx.tools.demo --model tiny          # a random tiny Llama, starts faster
     python -m lynx.tools.demo --lynx-args "--lynx --lynx-mode full"
     python -m lynx.tools.demo --lynx-args ""        # plain upstream PD, for comparison
+    python -m lynx.tools.demo --attach http://router:8000 --decode-url http://decode:30000
 
 It prepares the model if needed, starts the three processes (Lynx speculative mode by
 default), sends one OpenAI chat completion through the router (streamed, to measure the
 time to the first token), prints the answer, the TTFT, the KV bytes Lynx moved and what
-speculation did, and stops everything, also on Ctrl-C or a failed start.
+speculation did, and stops everything, also on Ctrl-C or a failed start. With
+``--attach`` it starts nothing and asks a cluster that already runs (the docker compose
+cluster's check, scripts/compose.sh).
 """
 
 from __future__ import annotations
@@ -77,6 +80,34 @@ def chat_once(base_url: str, prompt: str, max_tokens: int) -> ChatResult:
     return ChatResult("".join(parts), ttft if ttft is not None else float("nan"), total, usage_tokens)
 
 
+def ask_and_report(router_url: str, decode_url: str, prompt: str, max_tokens: int) -> None:
+    """One chat completion through the router, then what decode's Lynx counted so far."""
+    result = chat_once(router_url, prompt, max_tokens)
+    print(f"\nprompt: {prompt}\nanswer: {result.answer.strip()}\n")
+    print(
+        f"TTFT: {result.ttft_s * 1000:.0f} ms   completion tokens: {result.completion_tokens}"
+        f"   decode: {result.decode_tokens_per_s:.1f} tokens/s"
+    )
+    state = http_json(decode_url + "/server_info")["internal_states"][0]
+    transfer = state.get("lynx_transfer")
+    if not transfer:
+        print("Lynx: off on decode (plain upstream PD)")
+        return
+    anchor, residual = transfer["anchor_bytes"] / 1024, transfer["residual_bytes"] / 1024
+    print(
+        f"Lynx KV received by decode: Anchor {anchor:.0f} KiB, Residual {residual:.0f} KiB"
+        " (every request since decode started, start-up checks included)"
+    )
+    spec = transfer.get("speculation")
+    if spec:
+        print(
+            f"Lynx speculation: {spec['requests']} request(s) decoded on the Anchor, "
+            f"{spec['held_tokens']} tokens held, {spec['accepted_tokens']} accepted "
+            "(0 held: the Residual landed before decoding started; on a slow link it "
+            "does not)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lynx.tools.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
@@ -94,7 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         default="--lynx --lynx-mode speculative",
         help='flags for both servers (default "--lynx --lynx-mode speculative"; "" for plain upstream PD)',
     )
+    parser.add_argument(
+        "--attach", metavar="ROUTER_URL", help="ask this running router instead of starting a cluster"
+    )
+    parser.add_argument("--decode-url", help="with --attach: the decode server whose Lynx counters to show")
     args = parser.parse_args(argv)
+    if (args.attach is None) != (args.decode_url is None):
+        parser.error("--attach and --decode-url go together")
+    if args.attach:
+        try:
+            ask_and_report(args.attach.rstrip("/"), args.decode_url.rstrip("/"), args.prompt, args.max_tokens)
+        except OSError as exc:  # URLError, HTTPError and the client's connection errors
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
 
     log_dir = args.log_dir or Path("logs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     model = _model_path(args.model)
@@ -105,28 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_on_sigterm(), PDCluster(config, log_dir) as cluster:
             print(f"router: {cluster.url} (prefill {cluster.prefill_url}, decode {cluster.decode_url})")
-            result = chat_once(cluster.url, args.prompt, args.max_tokens)
-            print(f"\nprompt: {args.prompt}\nanswer: {result.answer.strip()}\n")
-            print(
-                f"TTFT: {result.ttft_s * 1000:.0f} ms   completion tokens: {result.completion_tokens}"
-                f"   decode: {result.decode_tokens_per_s:.1f} tokens/s"
-            )
-            state = http_json(cluster.decode_url + "/server_info")["internal_states"][0]
-            transfer = state.get("lynx_transfer")
-            if transfer:
-                anchor, residual = transfer["anchor_bytes"] / 1024, transfer["residual_bytes"] / 1024
-                print(
-                    f"Lynx KV received by decode: Anchor {anchor:.0f} KiB, Residual {residual:.0f} KiB"
-                    " (with the start-up check's request)"
-                )
-                spec = transfer.get("speculation")
-                if spec:
-                    print(
-                        f"Lynx speculation: {spec['requests']} request(s) decoded on the Anchor, "
-                        f"{spec['held_tokens']} tokens held, {spec['accepted_tokens']} accepted "
-                        "(0 held: the Residual landed before decoding started; on a slow link it "
-                        "does not)"
-                    )
+            ask_and_report(cluster.url, cluster.decode_url, args.prompt, args.max_tokens)
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

