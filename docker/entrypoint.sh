@@ -13,6 +13,8 @@ if [ -n "${LYNX_LINK_RATE:-}" ]; then
     echo "lynx-entrypoint: $dev egress limited to $LYNX_LINK_RATE" >&2
 fi
 if [ "$(id -u)" = 0 ] && id lynx >/dev/null 2>&1; then
-    exec setpriv --reuid=lynx --regid=lynx --init-groups -- "$@"
+    # setpriv keeps the environment: HOME must follow, or caches land in root's home.
+    HOME=$(getent passwd lynx | cut -d: -f6) USER=lynx LOGNAME=lynx \
+        exec setpriv --reuid=lynx --regid=lynx --init-groups -- "$@"
 fi
 exec "$@"

@@ -36,6 +36,11 @@ die() {
     exit 1
 }
 
+# An up that failed leaves the containers for inspection.
+die_up() {
+    die "$* (logs: scripts/compose.sh logs SERVICE; remove: scripts/compose.sh down)"
+}
+
 # A setting: the shell's value, else docker/.env's (compose reads the same two).
 setting() {
     if [ -n "${!1:-}" ]; then
@@ -66,7 +71,7 @@ fail_with_logs() {
     local service=$1
     shift
     logs_tail "$service"
-    die "$*"
+    die_up "$*"
 }
 
 base_image() {
@@ -75,6 +80,7 @@ base_image() {
         echo "$base"
         return
     fi
+    echo "base image $base is not here: pulling it" >&2
     if timeout 120 docker pull -q "$base" >&2; then
         echo "$base"
         return
@@ -179,9 +185,10 @@ wait_until_serving() {
                 [ "$status" != exited ] || [ "$code" = 0 ] || fail_with_logs models "models exited with status $code"
                 continue
             fi
+            [ "$restarts" = 0 ] || fail_with_logs "$service" "$service crashed and was restarted ($restarts times)"
             case "$status/$health" in
             exited/* | dead/* | restarting/*)
-                fail_with_logs "$service" "$service stopped ($status, exit status $code, $restarts restarts)" ;;
+                fail_with_logs "$service" "$service stopped ($status, exit status $code)" ;;
             */unhealthy)
                 fail_with_logs "$service" "$service is unhealthy" ;;
             esac
@@ -192,7 +199,7 @@ wait_until_serving() {
         fi
         if ! kill -0 "$up_pid" 2>/dev/null && ! wait "$up_pid"; then
             cat "$UP_LOG" >&2
-            die "docker compose up failed"
+            die_up "docker compose up failed"
         fi
         if [[ "$now" == *"router: running healthy"* ]] && router_serves; then
             return 0

@@ -82,7 +82,7 @@ def test_only_the_router_is_published_and_servers_wait_for_each_other() -> None:
         assert s["depends_on"] == {"models": {"condition": "service_completed_successfully"}}
         assert "http://127.0.0.1:30000/health" in " ".join(s["healthcheck"]["test"])
         assert s["restart"] == "unless-stopped"
-        assert s["ulimits"]["memlock"] == -1 and s["ipc"] == "host"
+        assert s["ulimits"] == {"stack": 67108864} and s["ipc"] == "host"  # memlock: the GPU overlay
         assert "models:/models:ro" in s["volumes"]
     assert svc["router"]["depends_on"] == {n: {"condition": "service_healthy"} for n in SERVERS}
     assert svc["models"]["restart"] == "no" and "models:/models" in svc["models"]["volumes"]
@@ -129,6 +129,7 @@ def test_the_gpu_overlay_reserves_one_gpu_per_server_and_swaps_the_image() -> No
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         gpus += device["device_ids"]
         assert overlay[name]["environment"] == {"SGLANG_USE_CPU_ENGINE": "0"}
+        assert overlay[name]["ulimits"]["memlock"] == -1  # RDMA memory registration
     assert gpus == ["0", "1"]
 
 

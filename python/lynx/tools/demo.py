@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from lynx.tools import models
 from lynx.tools.cluster import ClusterError, PDCluster, ServerConfig, http_json, terminate_on_sigterm
@@ -80,31 +81,39 @@ def chat_once(base_url: str, prompt: str, max_tokens: int) -> ChatResult:
     return ChatResult("".join(parts), ttft if ttft is not None else float("nan"), total, usage_tokens)
 
 
+def _lynx_counters(decode_url: str) -> dict[str, Any] | None:
+    """Decode's Lynx transfer counters (cumulative since it started), None without Lynx."""
+    return http_json(decode_url + "/server_info")["internal_states"][0].get("lynx_transfer")
+
+
+def _shown(prompt: str, limit: int = 200) -> str:
+    return prompt if len(prompt) <= limit else f"{prompt[:limit]}... ({len(prompt)} characters)"
+
+
 def ask_and_report(router_url: str, decode_url: str, prompt: str, max_tokens: int) -> None:
-    """One chat completion through the router, then what decode's Lynx counted so far."""
+    """One chat completion through the router, then what decode's Lynx did for it: the
+    counters' growth over the request (nothing else runs meanwhile in the demo)."""
+    before = _lynx_counters(decode_url)
     result = chat_once(router_url, prompt, max_tokens)
-    print(f"\nprompt: {prompt}\nanswer: {result.answer.strip()}\n")
+    after = _lynx_counters(decode_url)
+    print(f"\nprompt: {_shown(prompt)}\nanswer: {result.answer.strip()}\n")
     print(
         f"TTFT: {result.ttft_s * 1000:.0f} ms   completion tokens: {result.completion_tokens}"
         f"   decode: {result.decode_tokens_per_s:.1f} tokens/s"
     )
-    state = http_json(decode_url + "/server_info")["internal_states"][0]
-    transfer = state.get("lynx_transfer")
-    if not transfer:
+    if before is None or after is None:
         print("Lynx: off on decode (plain upstream PD)")
         return
-    anchor, residual = transfer["anchor_bytes"] / 1024, transfer["residual_bytes"] / 1024
-    print(
-        f"Lynx KV received by decode: Anchor {anchor:.0f} KiB, Residual {residual:.0f} KiB"
-        " (every request since decode started, start-up checks included)"
-    )
-    spec = transfer.get("speculation")
-    if spec:
+    anchor = (after["anchor_bytes"] - before["anchor_bytes"]) / 1024
+    residual = (after["residual_bytes"] - before["residual_bytes"]) / 1024
+    print(f"Lynx KV received by decode: Anchor {anchor:.0f} KiB, Residual {residual:.0f} KiB")
+    spec_before, spec_after = before.get("speculation"), after.get("speculation")
+    if spec_after:
+        grown = {k: spec_after[k] - (spec_before or {}).get(k, 0) for k in ("held_tokens", "accepted_tokens")}
+        note = " (the Residual landed before decoding started; on a slow link it does not)"
         print(
-            f"Lynx speculation: {spec['requests']} request(s) decoded on the Anchor, "
-            f"{spec['held_tokens']} tokens held, {spec['accepted_tokens']} accepted "
-            "(0 held: the Residual landed before decoding started; on a slow link it "
-            "does not)"
+            f"Lynx speculation: {grown['held_tokens']} tokens held on the Anchor, "
+            f"{grown['accepted_tokens']} accepted{note if grown['held_tokens'] == 0 else ''}"
         )
 
 
