@@ -13,44 +13,15 @@ benchmark/results/.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from lynx.codec import CodecConfig, KVLayout, decode_pages, encode_pages, segment_nbytes
-from lynx.codec.backend import BACKEND_ENV
-
-MODES = {
-    "b4 keys/ch16 int8 (default)": CodecConfig(),
-    "b3 keys/ch16 int8": CodecConfig(anchor_bits=3),
-    "b2 keys/ch16 int8": CodecConfig(anchor_bits=2),
-    "b4 keys/ch16 exact": CodecConfig(residual="exact"),
-    "b4 per-token g32 int8": CodecConfig(key_layout="per_token"),
-}
-
-
-def timed(fn: Callable[[], None], repeats: int, device: str) -> float:
-    """Median seconds of fn() after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
+from lynx.codec import KVLayout
+from lynx.tools.codec_bench import MODES, SMOLLM2_LAYOUT, cpu_backend, make_segment, timed
 
 OPS = ("encode", "decode_anchor", "decode_full")
 
@@ -66,50 +37,32 @@ class BenchPath:
 def run_mode(path: BenchPath, name: str, layout: KVLayout, tokens: int, repeats: int) -> dict:
     """One mode on one path: the backend and thread count are set for this run only."""
     threads = torch.get_num_threads()
-    os.environ[BACKEND_ENV] = path.backend
     torch.set_num_threads(path.threads or threads)
     try:
-        return measure(path.name, path.device, name, layout, tokens, repeats)
+        with cpu_backend(path.backend):
+            return measure(path.name, path.device, name, layout, tokens, repeats)
     finally:
         torch.set_num_threads(threads)
-        del os.environ[BACKEND_ENV]
 
 
 def measure(path: str, device: str, name: str, layout: KVLayout, tokens: int, repeats: int) -> dict:
-    config = MODES[name]
-    gen = torch.Generator().manual_seed(0)
-    rows = 2 * tokens
-    pool = [
-        (torch.randn(rows, layout.num_kv_heads, layout.head_dim, generator=gen) * 2)
-        .to(layout.dtype)
-        .to(device)
-        for _ in range(2 * layout.num_layers)
-    ]
-    k, v = pool[::2], pool[1::2]
-    slots = torch.randperm(rows, generator=gen)[:tokens].to(device)
-    anchor_nbytes, residual_nbytes = segment_nbytes(layout, tokens, config)
-    anchor = torch.empty(anchor_nbytes, dtype=torch.uint8, device=device)
-    residual = torch.empty(residual_nbytes, dtype=torch.uint8, device=device)
-    encode_pages(k, v, slots, config, anchor, residual)
-    decode_pages(anchor, residual, k, v, slots, config)  # the pool now holds the reconstruction
-    digest = hashlib.sha256()
-    for t in (anchor, residual, *(buf[slots] for buf in k + v)):
-        digest.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    segment = make_segment(layout, tokens, MODES[name], device)
+    digests = segment.digests()  # the pool now holds the reconstruction
     seconds = {
-        "encode": timed(partial(encode_pages, k, v, slots, config, anchor, residual), repeats, device),
-        "decode_anchor": timed(partial(decode_pages, anchor, None, k, v, slots, config), repeats, device),
-        "decode_full": timed(partial(decode_pages, anchor, residual, k, v, slots, config), repeats, device),
+        "encode": timed(segment.encode, repeats, device),
+        "decode_anchor": timed(partial(segment.decode, with_residual=False), repeats, device),
+        "decode_full": timed(segment.decode, repeats, device),
     }
-    input_bytes = 2 * layout.num_layers * tokens * layout.channels * layout.dtype.itemsize
+    input_bytes = segment.input_nbytes
     values = input_bytes / layout.dtype.itemsize
     return {
         "path": path,
         "threads": torch.get_num_threads(),
         "mode": name,
         **{f"{op}_GBps": input_bytes / s / 1e9 for op, s in seconds.items()},
-        "anchor_bits_per_value": 8 * anchor_nbytes / values,
-        "residual_bits_per_value": 8 * residual_nbytes / values,
-        "sha256": digest.hexdigest(),
+        "anchor_bits_per_value": 8 * segment.anchor.numel() / values,
+        "residual_bits_per_value": 8 * segment.residual.numel() / values,
+        "sha256": digests["all"],
     }
 
 
@@ -153,7 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmark/results/codec")
     args = parser.parse_args()
-    layout = KVLayout(30, 3, 64, torch.bfloat16)
+    layout = SMOLLM2_LAYOUT
     paths = [
         BenchPath("cpu-torch", "cpu", "reference", 0),
         BenchPath("cpu-cpp", "cpu", "cpp", 0),

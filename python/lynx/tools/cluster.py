@@ -425,10 +425,14 @@ def _numbered(role: str, index: int) -> str:
     return role if index == 0 else f"{role}-{index}"
 
 
-def start_together(groups: Sequence[SingleServer | PDCluster]) -> None:
-    """Start several servers or clusters concurrently; if one fails, stop all and re-raise."""
+def start_together(groups: Sequence[SingleServer | PDCluster], timeout_s: float | None = None) -> None:
+    """Start several servers or clusters concurrently (each within ``timeout_s``, default
+    its ``start``'s); if one fails, stop all and re-raise."""
     with ThreadPoolExecutor(len(groups)) as pool:
-        futures = [pool.submit(group.start) for group in groups]
+        futures = [
+            pool.submit(group.start) if timeout_s is None else pool.submit(group.start, timeout_s)
+            for group in groups
+        ]
         errors = [future.exception() for future in futures]
     failed = [error for error in errors if error is not None]
     if failed:
@@ -438,9 +442,9 @@ def start_together(groups: Sequence[SingleServer | PDCluster]) -> None:
 
 
 @contextlib.contextmanager
-def running(group: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def running(group: dict[str, Any], timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
     """Start every server or cluster of ``group`` together, yield it, stop them all."""
-    start_together(list(group.values()))
+    start_together(list(group.values()), timeout_s)
     try:
         yield group
     finally:
