@@ -23,7 +23,7 @@ benchmark/results/lanes-LABEL-anchorNk.json and .png.
     PYTHONPATH=python python benchmark/lanes.py --link 1gbit --backlog-mib 256
 
 `--link RATE` builds a tbf-limited veth link between two network namespaces
-(scripts/netlink.sh, needs root), reruns this script inside one with the peer in the
+(lynx.tools.netlink, needs root), reruns this script inside one with the peer in the
 other, and deletes the namespaces afterwards.
 """
 
@@ -33,7 +33,6 @@ import argparse
 import json
 import mmap
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 from lynx.lanes import Lane, LaneConfig, LaneScheduler, StreamStatus
 from lynx.lanes.mooncake import MooncakeBackend
 from lynx.lanes.peer import PeerProcess, buffer_address
+from lynx.tools import netlink
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -283,17 +283,13 @@ def plot(results: list[Outcome], title: str, path: Path) -> None:
 
 
 def run_inside_link(args: argparse.Namespace) -> int:
-    """Build the shaped link, rerun this script inside namespace lynx-a, tear down."""
-    script = ROOT / "scripts" / "netlink.sh"
-    subprocess.run([str(script), "up", args.link], check=True)
-    try:
-        argv = [a for a in sys.argv[1:] if a not in ("--link", args.link)]
-        cmd = ["ip", "netns", "exec", "lynx-a", sys.executable, __file__, *argv]
-        cmd += ["--sender-host", "10.77.0.1", "--peer-host", "10.77.0.2"]
-        cmd += ["--peer-netns", "lynx-b", "--label", f"tbf-{args.link}"]
-        return subprocess.run(cmd, check=False).returncode
-    finally:
-        subprocess.run([str(script), "down"], check=True)
+    """Build the shaped link, rerun this script on its prefill side (the sender), with the
+    peer on the decode side, tear down."""
+    argv = [a for a in sys.argv[1:] if a not in ("--link", args.link)]
+    sender, peer = netlink.PREFILL, netlink.DECODE
+    cmd = [sys.executable, __file__, *argv, "--sender-host", sender.address, "--peer-host", peer.address]
+    cmd += ["--peer-netns", peer.netns, "--label", f"tbf-{args.link}"]
+    return netlink.run_on_side(sender, args.link, cmd)
 
 
 def main() -> None:
@@ -318,6 +314,8 @@ def main() -> None:
     parser.add_argument("--label", default="loopback")
     args = parser.parse_args()
     if args.link:
+        if (reason := netlink.unusable()) is not None:
+            parser.error(f"--link {reason}")
         sys.exit(run_inside_link(args))
 
     bench = Bench(args)

@@ -6,7 +6,7 @@ Anchor + Residual before decoding), Lynx ``anchor-only`` (decode on the Anchor, 
 Residual is never sent) and Lynx ``speculative`` (decode on the Anchor, hold the tokens,
 verify when the Residual lands). With ``--link RATE`` (root, iproute2) the prefill runs in
 network namespace lynx-a and the decode server and this driver in lynx-b, joined by a veth
-pair limited to RATE each way (scripts/netlink.sh): KV crosses a slow link, as in the
+pair limited to RATE each way (lynx.tools.netlink): KV crosses a slow link, as in the
 paper. Requests go to both servers with the bootstrap fields the router would add.
 
 Measured per configuration:
@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -44,6 +42,7 @@ from bench_texts import DOCS, PLAYS, benchmark_parser, dtype_args
 from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
+from lynx.tools import netlink
 from lynx.tools.cluster import ServerConfig, SingleServer, free_port, http_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +53,7 @@ CONFIGS: dict[str, list[str]] = {
     "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
     "lynx-speculative": ["--lynx", "--lynx-mode", "speculative"],
 }
-NETNS_ENV = "LYNX_BENCH_NETNS"
-SIDES = {"prefill": ("lynx-a", "10.77.0.1"), "decode": ("lynx-b", "10.77.0.2")}
+SIDES = {"prefill": netlink.PREFILL, "decode": netlink.DECODE}
 
 
 def prompts_from(data: Path, tokenizer: Any, n: int, tokens: int, skip: int) -> list[str]:
@@ -87,15 +85,11 @@ class Pair:
         pd = ["--disaggregation-transfer-backend", "mooncake_tcp"]
         self.servers = {}
         for side in ("prefill", "decode"):
-            ns, ip = SIDES[side]
             config = ServerConfig(
-                model_path=args.model,
-                max_total_tokens=args.max_total_tokens,
-                extra_args=common,
-                host=ip if args.link else "127.0.0.1",
-                launcher=("ip", "netns", "exec", ns) if args.link else (),
-                env={"SGLANG_HOST_IP": ip} if args.link else {},
+                model_path=args.model, max_total_tokens=args.max_total_tokens, extra_args=common
             )
+            if args.link:
+                config = SIDES[side].configure(config)
             extra = (
                 ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
                 if side == "prefill"
@@ -259,17 +253,10 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/pd_transfer")
     args = parser.parse_args()
-    if args.link and os.environ.get(NETNS_ENV) != "1":
-        subprocess.run([str(ROOT / "scripts/netlink.sh"), "up", args.link], check=True)
-        try:
-            env = {**os.environ, NETNS_ENV: "1"}
-            sys.exit(
-                subprocess.run(
-                    ["ip", "netns", "exec", "lynx-b", sys.executable, *sys.argv], env=env
-                ).returncode
-            )
-        finally:
-            subprocess.run([str(ROOT / "scripts/netlink.sh"), "down"], check=True)
+    if args.link and not netlink.inside():
+        if (reason := netlink.unusable()) is not None:
+            parser.error(f"--link {reason}")
+        sys.exit(netlink.run_on_side(netlink.DECODE, args.link, [sys.executable, *sys.argv]))
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     agreement = prompts_from(args.data, tokenizer, args.prompts, args.prompt_tokens, skip=1000)

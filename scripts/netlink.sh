@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# A rate-limited link between two network namespaces, for benchmarks that must be
-# network-bound rather than bound by a 2-core loopback.
+# A rate-limited link between two network namespaces, for benchmarks and the demo that must
+# be network-bound rather than bound by a 2-core loopback. Python tools run it through
+# lynx.tools.netlink, which names the two sides (test/unit/test_netlink_tool.py keeps its
+# names and addresses equal to NS_A/NS_B/IP_A/IP_B below).
 #
 #   scripts/netlink.sh up [RATE]   create lynx-a (10.77.0.1) <-veth-> lynx-b (10.77.0.2),
 #                                  each direction limited to RATE by tbf (default 1gbit)

@@ -1,12 +1,15 @@
-"""``lynx.tools.cluster.PDCluster``'s command lines for several prefill and decode servers
-(the servers themselves run in ``test/e2e/test_pd_cluster.py``)."""
+"""``lynx.tools.cluster.PDCluster``'s command lines for several prefill and decode servers,
+and for each side in its own network namespace (the servers themselves run in
+``test/e2e/test_pd_cluster.py`` and ``test/e2e/test_demo.py``)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
+from lynx.tools import netlink
 from lynx.tools.cluster import PDCluster, ServerConfig
 
 
@@ -28,7 +31,7 @@ def test_the_router_gets_every_prefill_with_its_bootstrap_port_and_every_decode(
         "decode-2.log",
         "router.log",
     ]
-    for (name, server_argv), bootstrap in zip(cluster._servers, cluster.bootstrap_ports, strict=False):
+    for (name, server_argv, _env), bootstrap in zip(cluster._servers, cluster.bootstrap_ports, strict=False):
         assert name.startswith("prefill")
         assert server_argv[server_argv.index("--disaggregation-bootstrap-port") + 1] == str(bootstrap)
 
@@ -36,3 +39,30 @@ def test_the_router_gets_every_prefill_with_its_bootstrap_port_and_every_decode(
 def test_a_cluster_needs_both_sides(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"needs a prefill and a decode server, got 1 and 0"):
         PDCluster(ServerConfig(model_path=tmp_path), tmp_path, decodes=0)
+
+
+def test_each_side_can_run_in_its_own_namespace_with_the_router_beside_decode(tmp_path: Path) -> None:
+    config = ServerConfig(model_path=tmp_path)
+    cluster = PDCluster(
+        config,
+        tmp_path,
+        prefill_config=netlink.PREFILL.configure(config),
+        decode_config=netlink.DECODE.configure(config),
+    )
+    (prefill, prefill_argv, prefill_env), (decode, decode_argv, decode_env) = cluster._servers
+    assert (prefill, decode) == ("prefill", "decode")
+    assert prefill_argv[:4] == ["ip", "netns", "exec", "lynx-a"]
+    assert prefill_argv[prefill_argv.index("--host") + 1] == "10.77.0.1"
+    assert (prefill_env["SGLANG_HOST_IP"], decode_env["SGLANG_HOST_IP"]) == ("10.77.0.1", "10.77.0.2")
+    assert decode_argv[:4] == cluster._router_argv[:4] == ["ip", "netns", "exec", "lynx-b"]
+    assert cluster.prefill_url.startswith("http://10.77.0.1:")
+    assert cluster.decode_url.startswith("http://10.77.0.2:") and cluster.url.startswith("http://10.77.0.2:")
+    router = cluster._router_argv
+    assert router[router.index("--prefill") + 1] == cluster.prefill_url
+    assert router[router.index("--host") + 1] == "10.77.0.2"
+
+
+def test_without_side_configs_every_server_gets_the_shared_one(tmp_path: Path) -> None:
+    cluster = PDCluster(ServerConfig(model_path=tmp_path, env={"X": "1"}), tmp_path)
+    assert all(argv[0] == sys.executable and env["X"] == "1" for _, argv, env in cluster._servers)
+    assert cluster.url.startswith("http://127.0.0.1:") and cluster._router_argv[0] == sys.executable

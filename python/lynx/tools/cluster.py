@@ -153,7 +153,7 @@ def server_env(*, cpu: bool, threads: int | None, extra: Mapping[str, str] | Non
 
 @dataclass
 class ServerConfig:
-    """What every server of a cluster shares."""
+    """What every server of a cluster (or of one side of a PD cluster) shares."""
 
     model_path: Path
     cpu: bool = True
@@ -166,7 +166,7 @@ class ServerConfig:
     # everything else (a router took 90 s to start next to them).
     sleep_on_idle: bool = True
     # Prepended to the server command, e.g. ("ip", "netns", "exec", "lynx-a") to run it in
-    # a network namespace behind a rate-limited link (scripts/netlink.sh).
+    # a network namespace behind a rate-limited link (lynx.tools.netlink).
     launcher: Sequence[str] = ()
 
     def base_argv(self, port: int) -> list[str]:
@@ -290,6 +290,10 @@ class PDCluster(_Group):
     """``prefills`` prefill servers + ``decodes`` decode servers + ``sglang_router`` in PD
     mode, on loopback. The router pairs any prefill with any decode per request.
 
+    ``prefill_config`` / ``decode_config`` replace ``config`` for that side's servers (each
+    side in its own network namespace: :mod:`lynx.tools.netlink`); the router runs beside
+    the decodes, with their host and launcher.
+
     ``prefill_url``, ``decode_url`` and ``bootstrap_port`` are the first servers'; the
     ``*_urls`` lists have all. ``processes`` holds the prefills, then the decodes, then the
     router; ``log_paths`` the same order."""
@@ -305,6 +309,8 @@ class PDCluster(_Group):
         router_args: Sequence[str] = (),
         prefills: int = 1,
         decodes: int = 1,
+        prefill_config: ServerConfig | None = None,
+        decode_config: ServerConfig | None = None,
     ) -> None:
         super().__init__()
         if prefills < 1 or decodes < 1:
@@ -313,19 +319,26 @@ class PDCluster(_Group):
             )
         self.config = config
         self.log_dir = log_dir
+        prefill_config = prefill_config or config
+        decode_config = decode_config or config
         prefill_ports = [free_port() for _ in range(prefills)]
         self.bootstrap_ports = [free_port() for _ in range(prefills)]
         decode_ports = [free_port() for _ in range(decodes)]
         self.router_port = free_port()
-        self.prefill_urls = [f"http://{HOST}:{port}" for port in prefill_ports]
-        self.decode_urls = [f"http://{HOST}:{port}" for port in decode_ports]
-        self.url = f"http://{HOST}:{self.router_port}"
+        self.prefill_urls = [f"http://{prefill_config.host}:{port}" for port in prefill_ports]
+        self.decode_urls = [f"http://{decode_config.host}:{port}" for port in decode_ports]
+        self.url = f"http://{decode_config.host}:{self.router_port}"
         common = ["--disaggregation-transfer-backend", transfer_backend]
-        self._servers: list[tuple[str, list[str]]] = [
+        prefill_env, decode_env = (
+            server_env(cpu=side.cpu, threads=side.threads_per_server, extra=side.env)
+            for side in (prefill_config, decode_config)
+        )
+        # (log name, command, environment) of each server
+        self._servers: list[tuple[str, list[str], dict[str, str]]] = [
             (
                 _numbered("prefill", i),
                 [
-                    *config.base_argv(port),
+                    *prefill_config.base_argv(port),
                     *common,
                     "--disaggregation-mode",
                     "prefill",
@@ -333,13 +346,15 @@ class PDCluster(_Group):
                     str(bootstrap),
                     *prefill_args,
                 ],
+                prefill_env,
             )
             for i, (port, bootstrap) in enumerate(zip(prefill_ports, self.bootstrap_ports, strict=True))
         ]
         self._servers += [
             (
                 _numbered("decode", i),
-                [*config.base_argv(port), *common, "--disaggregation-mode", "decode", *decode_args],
+                [*decode_config.base_argv(port), *common, "--disaggregation-mode", "decode", *decode_args],
+                decode_env,
             )
             for i, port in enumerate(decode_ports)
         ]
@@ -352,22 +367,22 @@ class PDCluster(_Group):
             *(arg for url in self.decode_urls for arg in ("--decode", url)),
         ]
         self._router_argv = [
+            *decode_config.launcher,
             sys.executable,
             "-m",
             "sglang_router.launch_router",
             "--pd-disaggregation",
             *workers,
             "--host",
-            HOST,
+            decode_config.host,
             "--port",
             str(self.router_port),
             "--prometheus-host",
-            HOST,
+            decode_config.host,
             "--prometheus-port",
             str(free_port()),
             *router_args,
         ]
-        self._env = server_env(cpu=config.cpu, threads=config.threads_per_server, extra=config.env)
 
     @property
     def prefill_url(self) -> str:
@@ -383,7 +398,7 @@ class PDCluster(_Group):
 
     @property
     def log_paths(self) -> list[Path]:
-        return [self.log_dir / f"{name}.log" for name, _ in self._servers] + [self.log_dir / "router.log"]
+        return [self.log_dir / f"{name}.log" for name, _, _ in self._servers] + [self.log_dir / "router.log"]
 
     def _router_serves(self) -> bool:
         # The router answers 503 until it has registered both workers (~15 s after
@@ -399,8 +414,8 @@ class PDCluster(_Group):
     def start(self, timeout_s: float = 900.0) -> PDCluster:
         try:
             servers = [
-                self.launch(ManagedProcess(name, argv, self.log_dir / f"{name}.log", self._env))
-                for name, argv in self._servers
+                self.launch(ManagedProcess(name, argv, self.log_dir / f"{name}.log", env))
+                for name, argv, env in self._servers
             ]
             urls = [*self.prefill_urls, *self.decode_urls]
             _wait_until(
