@@ -51,10 +51,11 @@ from pathlib import Path
 from typing import Any
 
 from bench_texts import fetch_texts
-from pd_transfer import NETNS_ENV, TEXTS, Pair, agreement_of, bf16_bytes_per_token, prompts_from
+from pd_transfer import TEXTS, Pair, agreement_of, bf16_bytes_per_token, prompts_from
 from transformers import AutoTokenizer
 
 from lynx.tools import models as lynx_models
+from lynx.tools import netlink
 from lynx.tools.cluster import ClusterError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,10 +193,6 @@ class ConfigResult:
     accuracy: list[dict[str, Any]] = field(default_factory=list)
 
 
-def set_link(rate: str) -> None:
-    subprocess.run([str(ROOT / "scripts/netlink.sh"), "rate", rate], check=True)
-
-
 def run_timed(pair: Any, prompt: str, gen: int) -> dict[str, Any]:
     """One streamed greedy request of ``gen`` tokens: when each token arrived, what Lynx
     reported, how many bytes the KV took."""
@@ -227,14 +224,14 @@ def run_config(
     try:
         pair.generate("warm up", 2)
         for link in plan["links"]:
-            set_link(link)
+            netlink.set_rate(link)
             result.latency[link] = {}
             for context, texts in prompts["latency"].items():
                 runs = [run_timed(pair, text, plan["gen"]) for text in texts]
                 result.latency[link][str(context)] = runs
                 ttfts = [round(r["token_times"][0], 2) for r in runs]
                 print(f"  {config.name} {link} ctx {context}: TTFT {ttfts} s", flush=True)
-        set_link("none")  # outputs do not depend on the link: the rest runs fast
+        netlink.set_rate("none")  # outputs do not depend on the link: the rest runs fast
         for text in prompts["agreement"]:
             answer, _ = pair.generate(text, 32)
             result.agreement_outputs.append(answer["output_ids"])
@@ -254,7 +251,7 @@ def run_config(
             flush=True,
         )
         if config.name in LOAD_CONFIGS:
-            set_link(plan["load_link"])
+            netlink.set_rate(plan["load_link"])
             for n in plan["loads"]:
                 result.load[str(n)] = run_load(pair, prompts["load"][:n], plan["spread"], seed=n)
                 ttfts = [r["token_times"][0] for r in result.load[str(n)]]
@@ -587,31 +584,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.environ.get(NETNS_ENV) != "1":
-        if os.geteuid() != 0:
-            print("error: the suite needs root (network namespaces and tc for the links)", file=sys.stderr)
+    if not netlink.inside():
+        if (reason := netlink.unusable()) is not None:
+            print(f"error: the suite {reason}", file=sys.stderr)
             return 2
         fetch_texts(args.data)
         for name in args.models:
-            print(
-                f"model {name}: {lynx_models.prepare_gguf_model(lynx_models.GGUF_MODELS[name])}", flush=True
-            )
-        netlink = str(ROOT / "scripts/netlink.sh")
-        subprocess.run([netlink, "up", "1gbit"], check=True)
-        try:
-            env = {**os.environ, NETNS_ENV: "1"}
-            cmd = [
-                "ip",
-                "netns",
-                "exec",
-                "lynx-b",
-                sys.executable,
-                str(Path(__file__).resolve()),
-                *(argv or sys.argv[1:]),
-            ]
-            return subprocess.run(cmd, env=env).returncode
-        finally:
-            subprocess.run([netlink, "down"], check=True)
+            folder = lynx_models.prepare_gguf_model(lynx_models.GGUF_MODELS[name])
+            print(f"model {name}: {folder}", flush=True)
+        argv = [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
+        return netlink.run_on_side(netlink.DECODE, "1gbit", argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
     plan = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -87,6 +87,12 @@ def _netlink(*args: str) -> None:
     subprocess.run([str(SCRIPT), *args], check=True)
 
 
+def set_rate(rate: str) -> None:
+    """Change both directions' limit of the link that is up (``none``: no limit), e.g.
+    between a benchmark's phases, without touching the servers on either side."""
+    _netlink("rate", rate)
+
+
 @contextlib.contextmanager
 def link(rate: str) -> Iterator[None]:
     """The link up at ``rate`` (tc syntax: ``20mbit``) each way for the block, then down."""
