@@ -171,12 +171,13 @@ def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: 
             for prompt in prompts:
                 answer, times = pair.stream(prompt, args.marks)
                 runs.append(times)
-                report = answer["meta_info"].get("lynx_transfer")
-                if report:
+                reports = answer["meta_info"].get("lynx_transfer")
+                if reports:
+                    final = reports[-1]  # a stream's last chunk ends with the final report
                     n = answer["meta_info"]["prompt_tokens"]
-                    result["bytes_per_token"] = (report[0]["anchor_bytes"] + report[0]["residual_bytes"]) / n
-                    if "speculation" in report[0]:
-                        result["speculation"].append(report[0]["speculation"])
+                    result["bytes_per_token"] = (final["anchor_bytes"] + final["residual_bytes"]) / n
+                    if "speculation" in final:
+                        result["speculation"].append(final["speculation"])
             result["times"][context] = {n: [run[n] for run in runs] for n in (1, *args.marks)}
             print(
                 f"  {name} ctx {context}: "

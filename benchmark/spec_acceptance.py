@@ -8,7 +8,7 @@ seconds on prefill (``--lynx-residual-hold``), long enough for every request to 
 ``--cap`` tokens on Anchor KV before verification, so each verification judges a full
 run of held tokens. A plain BF16 PD pair (and with ``--with-full`` Lynx ``full`` mode)
 serves the same prompts as the reference. From each response's
-``meta_info["lynx_transfer"][0]["speculation"]``:
+``meta_info["lynx_transfer"][-1]["speculation"]``:
 
 * acceptance: accepted / held tokens (the accepted prefix of each run: after the first
   wrong token the rest is discarded whether or not it was right);
@@ -95,7 +95,7 @@ def speculative_flags(
 
 
 def summarize(answers: list[dict], reference: list[list[int]]) -> dict[str, Any]:
-    reports = [a["meta_info"]["lynx_transfer"][0].get("speculation") or {} for a in answers]
+    reports = [a["meta_info"]["lynx_transfer"][-1].get("speculation") or {} for a in answers]
     held = sum(r.get("held", 0) for r in reports)
     accepted = sum(r.get("accepted", 0) for r in reports)
     agreed = sum(r.get("agreed") or 0 for r in reports)

@@ -198,7 +198,7 @@ def run_timed(pair: Any, prompt: str, gen: int) -> dict[str, Any]:
     reported, how many bytes the KV took."""
     last, times = pair.stream(prompt, list(range(2, gen + 1)))
     meta = last["meta_info"]
-    report = (meta.get("lynx_transfer") or [None])[0]
+    report = (meta.get("lynx_transfer") or [None])[-1]  # the last is the final report
     return {
         "prompt_tokens": meta["prompt_tokens"],
         "token_times": [times[n] for n in range(1, gen + 1)],

@@ -4,6 +4,11 @@ Hook targets (``sglang.srt.`` omitted):
 * ``managers.scheduler_components.output_streamer.SchedulerOutputStreamer``
   ``.is_request_level_customized_info_key`` AROUND: ``lynx_transfer`` is one value per
   request, not one per token.
+* ``managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept``
+  AROUND: a streamed request sends ``lynx_transfer`` again with its last chunk, so a
+  streaming client gets the final report (Residual bytes, speculation) as
+  ``meta_info["lynx_transfer"][-1]``; upstream sends such info with the first chunk only,
+  when the Residual may not have landed yet.
 * ``managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output``
   AROUND (``--lynx-mode speculative``): requests holding unverified tokens are left out,
   so neither their tokens nor their stream offsets move; verification may still cut
@@ -17,15 +22,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from lynx_patches import runtime
+from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 from lynx_patches.speculative_decoder import META_INFO_KEY
 
 STREAMER = "managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+ACCUMULATOR = "managers.scheduler_components.output_streamer._GenerationStreamAccumulator"
 
 
 def _lynx_key_is_per_request(original: Any, streamer: Any, key: str) -> bool:
     return key == META_INFO_KEY or original(streamer, key)
+
+
+def _final_report_at_stream_end(original: Any, accumulator: Any, *args: Any, **kwargs: Any) -> Any:
+    req = kwargs["req"] if "req" in kwargs else args[0]
+    first = upstream.first_stream_chunk(req)
+    result = original(accumulator, *args, **kwargs)
+    if not first:  # a first chunk carries the report already
+        upstream.resend_request_info(accumulator, req, META_INFO_KEY)
+    return result
 
 
 def _hold_back(original: Any, streamer: Any, reqs: list[Any], *args: Any, **kwargs: Any) -> Any:
@@ -41,3 +56,4 @@ def _hold_back(original: Any, streamer: Any, reqs: list[Any], *args: Any, **kwar
 def register() -> None:
     hook(STREAMER + ".is_request_level_customized_info_key", _lynx_key_is_per_request, "around")
     hook(STREAMER + ".stream_output", _hold_back, "around")
+    hook(ACCUMULATOR + ".accept", _final_report_at_stream_end, "around")

@@ -59,6 +59,7 @@ _SENDER = f"{CONN}.MooncakeKVSender"
 _REQ = f"{SCHEDULE_BATCH}.Req"
 _BATCH = f"{SCHEDULE_BATCH}.ScheduleBatch"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_ACCUMULATOR = "sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator"
 # A request's per-output-token logprob lists (``Req.logprob``), one entry per output token.
 _OUTPUT_LOGPROB_FIELDS = (
     "output_token_logprobs_val",
@@ -283,6 +284,9 @@ CONTRACT: tuple[Relied, ...] = (
         "is_request_level_customized_info_key",
         "key",
     ),
+    _m(_ACCUMULATOR, "accept", "req"),
+    *(_a(_ACCUMULATOR, name) for name in ("output_reqs", "customized_info")),
+    *(_a(_REQ, name) for name in ("send_token_offset", "stream", "customized_info")),
     _a(
         "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
         "scheduler",
@@ -623,6 +627,25 @@ def set_request_info(req: Any, key: str, value: dict[str, Any]) -> None:
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info[key] = [value]
+
+
+def first_stream_chunk(req: Any) -> bool:
+    """No token of ``req`` has been streamed yet (its next output is its first chunk)."""
+    return req.send_token_offset == 0
+
+
+def resend_request_info(accumulator: Any, req: Any, key: str) -> None:
+    """Upstream sends a streamed request's request-level info (``key``) with its first
+    chunk only. When ``req`` has just been taken into ``accumulator`` (an output batch) as
+    finished, add its current value to that batch too: the tokenizer appends it to what the
+    first chunk carried, so the last chunk's ``meta_info[key]`` ends with the final value."""
+    value = (req.customized_info or {}).get(key)
+    if not (req.stream and req.finished() and value) or not accumulator.output_reqs:
+        return
+    if accumulator.output_reqs[-1] is not req:
+        return  # not output in this batch (a beam upstream held back)
+    column = accumulator.customized_info.setdefault(key, [[] for _ in accumulator.output_reqs])
+    column[-1] = list(value)
 
 
 def is_aborting(req: Any) -> bool:

@@ -800,11 +800,11 @@ def _speculation_totals(answers: Sequence[Answer]) -> dict[str, int]:
     """Held and accepted tokens, and requests with a rejected held token, over the answers."""
     totals = {"held": 0, "accepted": 0, "rejections": 0}
     for answer in answers:
-        for report in answer.lynx or []:
-            spec = report.get("speculation") or {}
-            totals["held"] += int(spec.get("held", 0))
-            totals["accepted"] += int(spec.get("accepted", 0))
-            totals["rejections"] += int(bool(spec.get("rejected", False)))
+        # A stream's last chunk holds the report at its first token, then the final one.
+        spec = (answer.lynx or [{}])[-1].get("speculation") or {}
+        totals["held"] += int(spec.get("held", 0))
+        totals["accepted"] += int(spec.get("accepted", 0))
+        totals["rejections"] += int(bool(spec.get("rejected", False)))
     return totals
 
 
