@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 
-import suite
+
+@pytest.fixture(scope="module")
+def suite() -> ModuleType:
+    # Imported when the tests run, not at collection: it loads transformers and with it
+    # Triton, before test_codec_triton.py turns the Triton interpreter on.
+    import suite as module
+
+    return module
 
 
-def test_percentile_interpolates_between_ranks() -> None:
+def test_percentile_interpolates_between_ranks(suite: ModuleType) -> None:
     assert suite.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert suite.percentile([1.0, 2.0], 0.5) == 1.5
     assert suite.percentile([1.0, 2.0, 3.0, 4.0, 100.0], 0.99) == pytest.approx(96.16)
@@ -22,7 +30,7 @@ def test_percentile_interpolates_between_ranks() -> None:
         suite.percentile([], 0.5)
 
 
-def test_arrivals_start_at_zero_spread_within_the_window_and_repeat() -> None:
+def test_arrivals_start_at_zero_spread_within_the_window_and_repeat(suite: ModuleType) -> None:
     offsets = suite.arrivals(16, 5.0, seed=16)
     assert offsets[0] == 0.0 and offsets == sorted(offsets) and len(offsets) == 16
     assert all(0.0 <= t <= 5.0 for t in offsets) and offsets[-1] > 2.5
@@ -30,7 +38,7 @@ def test_arrivals_start_at_zero_spread_within_the_window_and_repeat() -> None:
     assert suite.arrivals(1, 5.0, seed=1) == [0.0]
 
 
-def test_quick_plan_and_explicit_choices() -> None:
+def test_quick_plan_and_explicit_choices(suite: ModuleType) -> None:
     quick = suite.parse_args(["--quick"])
     assert quick.models == ["smollm2"] and quick.links == ["20mbit"] and quick.loads == [1, 4]
     assert quick.configs[0] == "bf16" and "fp8" in quick.configs
@@ -50,20 +58,22 @@ def test_quick_plan_and_explicit_choices() -> None:
         (["--configs", "nope"], "invalid choice"),
     ],
 )
-def test_plan_errors_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_errors_exit_2(
+    suite: ModuleType, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         suite.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_upstream_error_is_the_last_error_line() -> None:
+def test_upstream_error_is_the_last_error_line(suite: ModuleType) -> None:
     tail = "pair did not start; log x:\nINFO load\nValueError: fp8_e4m3 needs AMX\n  at line 3\nINFO exiting"
     assert suite.upstream_error(tail) == "ValueError: fp8_e4m3 needs AMX"
     assert suite.upstream_error("only this") == "only this"
 
 
-def test_retrieval_items_plant_the_passcode_at_each_depth(tiny_model: Path) -> None:
+def test_retrieval_items_plant_the_passcode_at_each_depth(suite: ModuleType, tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -88,7 +98,7 @@ def _run(ttft: float, per_token: float, gen: int, lynx: dict | None) -> dict:
     return {"prompt_tokens": 100, "token_times": [ttft + per_token * i for i in range(gen)], "lynx": lynx}
 
 
-def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load() -> None:
+def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: ModuleType) -> None:
     lynx = {
         "anchor_bytes": 600,
         "residual_bytes": 400,
