@@ -33,7 +33,6 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
 from lynx.tools import netlink
-from lynx.tools.cluster import ServerConfig, SingleServer, free_port, http_json
+from lynx.tools.cluster import ServerConfig, SingleServer, free_port, http_json, stream_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [*BASE_TEXTS, f"{DOCS}/tutorial/classes.rst.txt", f"{PLAYS}/othello_gut.txt"]
@@ -126,26 +125,16 @@ class Pair:
         a streamed request of ``max(marks)`` tokens."""
         max_new_tokens = max(marks)
         body = self._body(prompt, max_new_tokens)
-        request = urllib.request.Request(
-            self.servers["decode"].url + "/generate",
-            data=json.dumps({**body, "stream": True}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
         times: dict[int, float] = {}
         chunk: dict = {}
         start = time.perf_counter()
         with ThreadPoolExecutor(1) as pool:
             prefill = pool.submit(http_json, self.servers["prefill"].url + "/generate", body, 1800)
-            with urllib.request.urlopen(request, timeout=1800) as response:
-                for line in response:
-                    text = line.decode().strip()
-                    if not text.startswith("data:") or text == "data: [DONE]":
-                        continue
-                    chunk = json.loads(text.removeprefix("data:"))
-                    now = time.perf_counter() - start
-                    for n in (1, *marks):
-                        if n not in times and len(chunk["output_ids"]) >= n:
-                            times[n] = now
+            for chunk in stream_json(self.servers["decode"].url + "/generate", body, 1800):
+                now = time.perf_counter() - start
+                for n in (1, *marks):
+                    if n not in times and len(chunk["output_ids"]) >= n:
+                        times[n] = now
             prefill.result()
         assert set(times) == {1, *marks}, chunk
         return chunk, times

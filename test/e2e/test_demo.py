@@ -109,7 +109,7 @@ def test_over_a_slow_link_tokens_are_held_and_accepted_and_ttft_compared(
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
     # 1500 prompt tokens (the default): the Residual lands after decoding started.
-    held, accepted = map(int, re.findall(r"(\d+) tokens held on the Anchor, (\d+) accepted", out)[0])
+    held, accepted = map(int, re.findall(r"tokens held on the Anchor: (\d+), accepted: (\d+)", out)[0])
     assert held > 0 and accepted > 0, out
     anchor_ms, residual_ms = map(int, re.findall(r"Anchor at (\d+) ms, Residual at (\d+) ms", out)[0])
     assert 0 < anchor_ms < residual_ms, out

@@ -1,16 +1,23 @@
 """``lynx.tools.cluster.PDCluster``'s command lines for several prefill and decode servers,
 and for each side in its own network namespace (the servers themselves run in
-``test/e2e/test_pd_cluster.py`` and ``test/e2e/test_demo.py``)."""
+``test/e2e/test_pd_cluster.py`` and ``test/e2e/test_demo.py``), and its streamed-answer reader."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from lynx.tools import netlink
-from lynx.tools.cluster import PDCluster, ServerConfig
+from lynx.tools.cluster import PDCluster, ServerConfig, stream_json
 
 
 def test_the_router_gets_every_prefill_with_its_bootstrap_port_and_every_decode(tmp_path: Path) -> None:
@@ -66,3 +73,53 @@ def test_without_side_configs_every_server_gets_the_shared_one(tmp_path: Path) -
     cluster = PDCluster(ServerConfig(model_path=tmp_path, env={"X": "1"}), tmp_path)
     assert all(argv[0] == sys.executable and env["X"] == "1" for _, argv, env in cluster._servers)
     assert cluster.url.startswith("http://127.0.0.1:") and cluster._router_argv[0] == sys.executable
+
+
+class _EventStream(http.server.BaseHTTPRequestHandler):
+    """Answers like upstream's streamed /generate: ``data: {json}`` events, blank lines
+    between them, ``data: [DONE]`` last; records the body and whether the client left."""
+
+    bodies: ClassVar[list[dict]] = []
+    client_left = threading.Event()
+
+    def do_POST(self) -> None:
+        self.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        events = [{"output_ids": list(range(n))} for n in range(1, 200)]
+        try:
+            for event in events:
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.01)
+            self.wfile.write(b"data: [DONE]\n\n")
+        except OSError:
+            self.client_left.set()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def event_server() -> Iterator[str]:
+    _EventStream.bodies.clear()
+    _EventStream.client_left.clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EventStream)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/generate"
+    server.shutdown()
+    thread.join()
+
+
+def test_stream_json_yields_each_event_and_asks_for_a_stream(event_server: str) -> None:
+    chunks = list(stream_json(event_server, {"text": "hi"}, timeout=30))
+    assert [len(c["output_ids"]) for c in chunks] == list(range(1, 200))
+    assert _EventStream.bodies == [{"text": "hi", "stream": True}]
+
+
+def test_closing_stream_json_early_closes_the_connection(event_server: str) -> None:
+    with contextlib.closing(stream_json(event_server, {"text": "hi"}, timeout=30)) as chunks:
+        assert next(chunks) == {"output_ids": [0]}
+    assert _EventStream.client_left.wait(timeout=30), "the server kept streaming to a client that left"

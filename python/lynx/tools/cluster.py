@@ -91,6 +91,19 @@ def http_json(url: str, payload: Mapping[str, Any] | None = None, timeout: float
         return json.loads(response.read() or b"null")
 
 
+def stream_json(url: str, payload: Mapping[str, Any], timeout: float = 600.0) -> Iterator[dict[str, Any]]:
+    """POST ``payload`` with ``stream: true``; yields the JSON object of each server-sent
+    event (upstream's ``data: {...}`` lines, ``data: [DONE]`` ends the stream). Closing the
+    generator early closes the connection: that is how a client goes away mid-answer."""
+    data = json.dumps({**payload, "stream": True}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for line in response:
+            text = line.decode().strip()
+            if text.startswith("data:") and text != "data: [DONE]":
+                yield json.loads(text.removeprefix("data:"))
+
+
 @dataclass
 class ManagedProcess:
     """One child process (in its own session) with its log file."""

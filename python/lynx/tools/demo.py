@@ -183,8 +183,8 @@ def ask_and_report(router_url: str, decode_url: str, prompt: str, max_tokens: in
         grown = {k: spec_after[k] - (spec_before or {}).get(k, 0) for k in ("held_tokens", "accepted_tokens")}
         note = " (the Residual landed before decoding started; on a slow link it does not)"
         print(
-            f"Lynx speculation: {grown['held_tokens']} tokens held on the Anchor, "
-            f"{grown['accepted_tokens']} accepted{note if grown['held_tokens'] == 0 else ''}"
+            f"Lynx speculation: tokens held on the Anchor: {grown['held_tokens']}, "
+            f"accepted: {grown['accepted_tokens']}{note if grown['held_tokens'] == 0 else ''}"
         )
     return result
 

@@ -45,7 +45,6 @@ import subprocess
 import sys
 import time
 import traceback
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -61,6 +60,7 @@ from lynx.tools.cluster import (
     free_port,
     http_json,
     running,
+    stream_json,
     terminate_on_sigterm,
 )
 
@@ -752,24 +752,14 @@ def pd_stream(
         "bootstrap_port": bootstrap_port,
         "bootstrap_room": random.getrandbits(62),
     }
-    request = urllib.request.Request(
-        decode_url + "/generate",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     chunk: dict[str, Any] = {}
     ttft: float | None = None
     with ThreadPoolExecutor(1) as pool:
         start = time.perf_counter()
         to_prefill = pool.submit(http_json, prefill_url + "/generate", body, REQUEST_TIMEOUT_S)
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            for line in response:
-                text = line.decode().strip()
-                if not text.startswith("data:") or text == "data: [DONE]":
-                    continue
-                chunk = json.loads(text.removeprefix("data:"))
-                if ttft is None and chunk.get("output_ids"):
-                    ttft = time.perf_counter() - start
+        for chunk in stream_json(decode_url + "/generate", body, REQUEST_TIMEOUT_S):
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - start
         with contextlib.suppress(OSError):  # prefill's answer carries nothing the client uses
             to_prefill.result()
     return Answer(list(chunk.get("output_ids", [])), ttft, chunk.get("meta_info", {}).get("lynx_transfer"))

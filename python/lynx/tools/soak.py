@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lynx.tools.cluster import HOST, ClusterError, PDCluster, ServerConfig, http_json
+from lynx.tools.cluster import HOST, ClusterError, PDCluster, ServerConfig, http_json, stream_json
 from lynx.transfer.protocol import Notice, NoticeKind, Stream
 from lynx.verify import NEAR_TIE_GAP
 
@@ -168,18 +168,9 @@ def _post(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def _stream(url: str, payload: dict[str, Any], timeout: float, stop_after: int | None) -> list[int]:
-    request = urllib.request.Request(
-        url,
-        data=json.dumps({**payload, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     output: list[int] = []
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        for line in response:
-            text = line.decode().strip()
-            if not text.startswith("data:") or text == "data: [DONE]":
-                continue
-            chunk = json.loads(text.removeprefix("data:"))
+    with contextlib.closing(stream_json(url, payload, timeout)) as chunks:
+        for chunk in chunks:
             if "error" in chunk:
                 raise RuntimeError(json.dumps(chunk["error"]))
             output = _output_ids(chunk)
