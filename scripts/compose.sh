@@ -81,10 +81,12 @@ base_image() {
         return
     fi
     echo "base image $base is not here: pulling it" >&2
-    if timeout 120 docker pull -q "$base" >&2; then
+    local pulled
+    if pulled=$(timeout 120 docker pull -q "$base" 2>&1); then
         echo "$base"
         return
     fi
+    echo "pull failed: $(printf '%s\n' "$pulled" | tail -n 1)" >&2
     [ -z "${LYNX_BASE:-}" ] || die "base image $base is not here and cannot be pulled"
     if ! docker image inspect "$LOCAL_BASE" >/dev/null 2>&1; then
         echo "no registry answered: building $LOCAL_BASE with debootstrap (a few minutes)" >&2
