@@ -593,6 +593,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.resummarize is not None:
+        planned = [name for name in QUICK if getattr(args, name) is not None]
+        if args.quick or planned:
+            parser.error("--resummarize measures nothing: it takes no plan (--quick, --models, ...)")
+        missing = [n for n in ("suite.json", "suite-raw.json") if not (args.resummarize / n).is_file()]
+        if missing:
+            parser.error(f"--resummarize {args.resummarize}: no {' or '.join(missing)} there")
         return args
     defaults = QUICK if args.quick else FULL
     for name, value in defaults.items():
@@ -608,23 +614,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def summary_of(
+    model: str, results: dict[str, ConfigResult], bf16_per_token: float, served: dict, plan: dict[str, Any]
+) -> dict[str, Any]:
+    """A model's summary, its tables printed."""
+    summary = summarize(model, results, bf16_per_token)
+    summary["served_contexts"] = served
+    print_tables(summary, plan)
+    return summary
+
+
+def write_report(report: dict[str, Any], summaries: list[dict[str, Any]], out: Path) -> list[str]:
+    """``suite.json`` with ``summaries``, and the plots; the names of the files written."""
+    report["summaries"] = summaries
+    (out / "suite.json").write_text(json.dumps(report, indent=1))
+    return ["suite.json", *(p.name for p in plot(summaries, report["plan"], out))]
+
+
 def resummarize(folder: Path) -> int:
     """Summaries, tables and plots of the run in ``folder`` again, from its raw runs."""
     report = json.loads((folder / "suite.json").read_text())
     raw = json.loads((folder / "suite-raw.json").read_text())
-    plan = report["plan"]
-    summaries = []
-    for old in report["summaries"]:
-        model = old["model"]
-        results = {name: ConfigResult(**fields) for name, fields in raw[model].items()}
-        summary = summarize(model, results, old["bf16_bytes_per_token"])
-        summary["served_contexts"] = old["served_contexts"]
-        summaries.append(summary)
-        print_tables(summary, plan)
-    report["summaries"] = summaries
-    (folder / "suite.json").write_text(json.dumps(report, indent=1))
-    pngs = plot(summaries, plan, folder)
-    print(f"\nrewrote {folder}/suite.json, " + ", ".join(p.name for p in pngs))
+    summaries = [
+        summary_of(
+            old["model"],
+            {name: ConfigResult(**fields) for name, fields in raw[old["model"]].items()},
+            old["bf16_bytes_per_token"],
+            old["served_contexts"],
+            report["plan"],
+        )
+        for old in report["summaries"]
+    ]
+    print(f"\nrewrote {folder}: " + ", ".join(write_report(report, summaries, folder)))
     return 0
 
 
@@ -661,18 +682,14 @@ def main(argv: list[str] | None = None) -> int:
         for config in args.configs:
             print(f"- {config}", flush=True)
             results[config] = run_config(CONFIGS[config], model, plan, prompts, args.out / "logs" / name)
-        summary = summarize(name, results, bf16_bytes_per_token(model))
-        summary["served_contexts"] = prompts["served_contexts"]
-        summaries.append(summary)
+        summaries.append(
+            summary_of(name, results, bf16_bytes_per_token(model), prompts["served_contexts"], plan)
+        )
         raw[name] = {c: asdict(r) for c, r in results.items()}
-        print_tables(summary, plan)
     report["machine"]["load_average_at_end"] = os.getloadavg()
     report["wall_s"] = time.time() - started
-    report["summaries"] = summaries
-    (args.out / "suite.json").write_text(json.dumps(report, indent=1))
     (args.out / "suite-raw.json").write_text(json.dumps(raw))
-    pngs = plot(summaries, plan, args.out)
-    print(f"\nwrote {args.out}/suite.json, suite-raw.json, " + ", ".join(p.name for p in pngs))
+    print(f"\nwrote {args.out}: suite-raw.json, " + ", ".join(write_report(report, summaries, args.out)))
     print(f"wall time {report['wall_s'] / 60:.1f} min")
     return 0
 

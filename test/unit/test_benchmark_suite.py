@@ -56,6 +56,9 @@ def test_quick_plan_and_explicit_choices(suite: ModuleType) -> None:
         (["--gen", "64"], "at least 128"),
         (["--loads", "0"], "positive"),
         (["--configs", "nope"], "invalid choice"),
+        (["--resummarize", "/nonexistent"], "no suite.json or suite-raw.json there"),
+        (["--resummarize", "/nonexistent", "--models", "smollm2"], "it takes no plan"),
+        (["--resummarize", "/nonexistent", "--quick"], "it takes no plan"),
     ],
 )
 def test_plan_errors_exit_2(
