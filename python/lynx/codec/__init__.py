@@ -1,8 +1,10 @@
 """Progressive KV codec: an Anchor (upper ``anchor_bits`` of an INT8-resolution code plus
-group minimum and scale) and a Residual (the remaining bits, or the exact original words).
+group minimum and scale) and a Residual (the original words, coded losslessly against the
+Anchor; or the remaining bits of an INT8 code).
 
 Public API: ``CodecConfig``, ``encode``/``decode`` (tensors), ``KVLayout``,
-``segment_nbytes``, ``encode_pages``/``decode_pages`` (SGLang-style KV pool), ``warm_up``
+``segment_nbytes``, ``encode_pages``/``decode_pages`` (SGLang-style KV pool),
+``residual_nbytes_of`` (the travelling length of a segment's Residual), ``warm_up``
 (load the native codec before the first request), the wire
 format (``WIRE_VERSION``, ``CodecConfig.to_wire``/``from_wire``, ``KVLayout.to_wire``)
 and the errors. The byte layout is documented in ``lynx.codec.format``.
@@ -19,7 +21,7 @@ from .format import (
     WireMismatchError,
     segment_nbytes,
 )
-from .pages import decode_pages, encode_pages, kv_layout_of
+from .pages import decode_pages, encode_pages, kv_layout_of, residual_nbytes_of
 
 __all__ = [
     "WIRE_VERSION",
@@ -34,6 +36,7 @@ __all__ = [
     "encode",
     "encode_pages",
     "kv_layout_of",
+    "residual_nbytes_of",
     "segment_nbytes",
     "warm_up",
 ]

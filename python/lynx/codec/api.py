@@ -18,7 +18,8 @@ from .format import KV_DTYPES, CodecConfig, CodecInputError, Kind, part_layout
 
 @dataclass(frozen=True)
 class Encoded:
-    """The two halves of an encoded tensor, each a contiguous 1-D uint8 tensor."""
+    """The two halves of an encoded tensor, each a contiguous 1-D uint8 tensor (a lossless
+    Residual is as long as it coded)."""
 
     anchor: torch.Tensor
     residual: torch.Tensor
@@ -55,8 +56,8 @@ def encode(x: torch.Tensor, config: CodecConfig, *, kind: Kind = "value") -> Enc
     layout = part_layout(n, channels, kind, config, x.dtype)
     anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8, device=x.device)
     residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8, device=x.device)
-    backend.encode_rows(x.reshape(n, channels).contiguous(), None, kind, config, anchor, residual)
-    return Encoded(anchor=anchor, residual=residual)
+    used = backend.encode_rows(x.reshape(n, channels).contiguous(), None, kind, config, anchor, residual)
+    return Encoded(anchor=anchor, residual=residual[:used])
 
 
 def decode(

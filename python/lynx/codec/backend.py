@@ -56,8 +56,9 @@ def encode_rows(
     residual_out: torch.Tensor,
     where: str = "",
     head_dim: int | None = None,
-) -> None:
-    """Encode ``rows[slots]`` (all rows when slots is None) as one part."""
+) -> int:
+    """Encode ``rows[slots]`` (all rows when slots is None) as one part; returns the
+    Residual bytes written (``reference.encode_part``)."""
     n = rows.shape[0] if slots is None else slots.numel()
     layout = part_layout(n, rows.shape[1], kind, config, rows.dtype)
     reference.check_buffer(anchor_out, layout.anchor_nbytes, "anchor")
@@ -70,14 +71,34 @@ def encode_rows(
         if not bool(torch.isfinite(lows).all()):
             part = rows if slots is None else rows.index_select(0, slots)
             reference.raise_non_finite(part, where, slots, head_dim)
-        return
+        if config.residual_is_variable:
+            return _encode_lossless_on_host(rows, slots, kind, config, anchor_out, residual_out)
+        return layout.residual_nbytes
     if _use_cpp(rows):
-        (finite,) = cpp_backend.encode_parts([PartIO(rows, kind, anchor_out, residual_out)], slots, config)
-        if finite:
-            return
+        (used,) = cpp_backend.encode_parts([PartIO(rows, kind, anchor_out, residual_out)], slots, config)
+        if used >= 0:
+            return used
         # Non-finite input: the reference zeroes the buffers and raises its located error.
     part = rows if slots is None else rows.index_select(0, slots)
-    reference.encode_part(part, kind, config, anchor_out, residual_out, where, slots, head_dim)
+    return reference.encode_part(part, kind, config, anchor_out, residual_out, where, slots, head_dim)
+
+
+def _encode_lossless_on_host(
+    rows: torch.Tensor,
+    slots: torch.Tensor | None,
+    kind: Kind,
+    config: CodecConfig,
+    anchor_out: torch.Tensor,
+    residual_out: torch.Tensor,
+) -> int:
+    """The lossless Residual of a part whose Anchor a device kernel wrote: coded on the
+    host (no device coder yet) and copied back; the Anchor is re-encoded there bit for bit."""
+    part = (rows if slots is None else rows.index_select(0, slots)).cpu()
+    anchor = torch.empty(anchor_out.numel(), dtype=torch.uint8)
+    residual = torch.empty(residual_out.numel(), dtype=torch.uint8)
+    used = encode_rows(part, None, kind, config, anchor, residual)
+    residual_out.copy_(residual)
+    return used
 
 
 def decode_rows(
@@ -93,21 +114,51 @@ def decode_rows(
     The caller has validated the buffers (``check_part_buffers``).
     """
     n = rows.shape[0] if slots is None else slots.numel()
-    layout = part_layout(n, rows.shape[1], kind, config, rows.dtype)
-    if _use_triton(rows):
+    lossless_residual = residual is not None and config.residual_is_variable
+    if _use_triton(rows) and not lossless_residual:
         from . import triton_kernels
 
+        layout = part_layout(n, rows.shape[1], kind, config, rows.dtype)
         triton_kernels.decode_rows(anchor, residual, rows, slots, kind, config, layout)
         return
-    if _use_cpp(rows):
-        cpp_backend.decode_parts([PartIO(rows, kind, anchor, residual)], slots, config)
+    if rows.device.type == "cpu" and _use_cpp(rows):
+        _raise_residual_faults(cpp_backend.decode_parts([PartIO(rows, kind, anchor, residual)], slots, config))
         return
-    if slots is None:
+    if slots is None and rows.device.type == "cpu":
         reference.decode_part(anchor, residual, kind, config, rows)
         return
-    part = torch.empty((slots.numel(), rows.shape[1]), dtype=rows.dtype, device=rows.device)
-    reference.decode_part(anchor, residual, kind, config, part)
-    rows.index_copy_(0, slots, part)
+    part = _decoded_part(anchor, residual, n, rows.shape[1], rows.dtype, kind, config)
+    if slots is None:
+        rows.copy_(part)
+    else:
+        rows.index_copy_(0, slots, part.to(rows.device))
+
+
+def _decoded_part(
+    anchor: torch.Tensor,
+    residual: torch.Tensor | None,
+    n: int,
+    channels: int,
+    dtype: torch.dtype,
+    kind: Kind,
+    config: CodecConfig,
+) -> torch.Tensor:
+    """One part's reconstruction as a new (n, C) tensor; a lossless Residual of a device
+    pool is decoded on the host (no device decoder yet)."""
+    if residual is not None and config.residual_is_variable and anchor.device.type != "cpu":
+        anchor, residual = anchor.cpu(), residual.cpu()
+    part = torch.empty((n, channels), dtype=dtype, device=anchor.device)
+    decode_rows(anchor, residual, part, None, kind, config)
+    return part
+
+
+def _raise_residual_faults(faults: Sequence[int], wheres: Sequence[str] | None = None) -> None:
+    """Refuse the first part whose lossless Residual the C++ codec found corrupt (nothing
+    was written then)."""
+    for index, fault in enumerate(faults):
+        if fault:
+            where = f" of {wheres[index]}" if wheres else ""
+            raise CodecInputError(f"corrupt lossless residual{where}: {cpp_backend.RESIDUAL_FAULTS[fault]}")
 
 
 def encode_parts(
@@ -116,35 +167,53 @@ def encode_parts(
     slots: torch.Tensor,
     config: CodecConfig,
     head_dim: int,
-) -> None:
+) -> list[int]:
     """``encode_rows`` of several parts (in wire order; ``wheres`` name them in errors); the
-    C++ codec runs them all in one parallel region."""
+    C++ codec runs them all in one parallel region. Returns each part's Residual bytes."""
     if not (parts and _use_cpp(parts[0].rows)) or not all(part.rows.is_contiguous() for part in parts):
-        for part, where in zip(parts, wheres, strict=True):
+        return [
             encode_rows(part.rows, slots, part.kind, config, part.anchor, part.residual, where, head_dim)
-        return
+            for part, where in zip(parts, wheres, strict=True)
+        ]
     for part in parts:
         layout = part_layout(slots.numel(), part.rows.shape[1], part.kind, config, part.rows.dtype)
         reference.check_buffer(part.anchor, layout.anchor_nbytes, "anchor")
         reference.check_buffer(part.residual, layout.residual_nbytes, "residual")
-    for part, where, finite in zip(
-        parts, wheres, cpp_backend.encode_parts(parts, slots, config), strict=True
-    ):
-        if not finite:  # the reference zeroes this part's buffers and raises its located error
+    used = cpp_backend.encode_parts(parts, slots, config)
+    for index, (part, where) in enumerate(zip(parts, wheres, strict=True)):
+        if used[index] < 0:  # the reference zeroes this part's buffers and raises its located error
             part_rows = part.rows.index_select(0, slots)
             reference.encode_part(
                 part_rows, part.kind, config, part.anchor, part.residual, where, slots, head_dim
             )
+    return used
 
 
-def decode_parts(parts: Sequence[PartIO], slots: torch.Tensor, config: CodecConfig) -> None:
-    """``decode_rows`` of several validated parts; the C++ codec runs them all in one
-    parallel region."""
+def decode_parts(
+    parts: Sequence[PartIO], slots: torch.Tensor, config: CodecConfig, wheres: Sequence[str]
+) -> None:
+    """``decode_rows`` of several validated parts (``wheres`` name them in errors); the C++
+    codec runs them all in one parallel region and writes no row if a lossless Residual is
+    corrupt."""
     if parts and _use_cpp(parts[0].rows) and all(part.rows.is_contiguous() for part in parts):
-        cpp_backend.decode_parts(parts, slots, config)
+        _raise_residual_faults(cpp_backend.decode_parts(parts, slots, config), wheres)
         return
-    for part in parts:
-        decode_rows(part.anchor, part.residual, part.rows, slots, part.kind, config)
+    if not (parts and parts[0].residual is not None and config.residual_is_variable):
+        for part in parts:
+            decode_rows(part.anchor, part.residual, part.rows, slots, part.kind, config)
+        return
+    decoded = []  # every lossless part is decoded (and found sound) before any row is written
+    for part, where in zip(parts, wheres, strict=True):
+        try:
+            decoded.append(
+                _decoded_part(
+                    part.anchor, part.residual, slots.numel(), part.rows.shape[1], part.rows.dtype, part.kind, config
+                )
+            )
+        except CodecInputError as exc:
+            raise CodecInputError(f"{exc} (in {where})") from exc
+    for part, values in zip(parts, decoded, strict=True):
+        part.rows.index_copy_(0, slots, values.to(part.rows.device))
 
 
 def check_part_buffers(
@@ -160,7 +229,14 @@ def check_part_buffers(
     """Validate sizes and anchor parameters before anything is written."""
     layout = part_layout(n, channels, kind, config, dtype)
     reference.check_buffer(anchor, layout.anchor_nbytes, f"anchor {where}")
-    if residual is not None:
+    if residual is not None and config.residual_is_variable:
+        reference.check_buffer(residual, residual.numel(), f"residual {where}")
+        if not 1 <= residual.numel() <= layout.residual_nbytes:
+            raise CodecInputError(
+                f"corrupt lossless residual {where}: a part body of {residual.numel()} bytes, "
+                f"it must have 1..{layout.residual_nbytes}"
+            )
+    elif residual is not None:
         reference.check_buffer(residual, layout.residual_nbytes, f"residual {where}")
     if _use_cpp(anchor):
         fault = cpp_backend.anchor_params_fault(anchor, layout, dtype)

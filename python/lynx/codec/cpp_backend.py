@@ -26,7 +26,7 @@ import torch
 from .format import CodecConfig, Kind, PartLayout, part_layout
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "cpu_codec.cpp", _CSRC / "cpu_codec_kernels.h")
+_SOURCES = (_CSRC / "cpu_codec.cpp", _CSRC / "cpu_codec_kernels.h", _CSRC / "cpu_codec_lossless.h")
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 log = logging.getLogger(__name__)
@@ -108,9 +108,24 @@ def _geometry(parts: Sequence[PartIO], n: int, config: CodecConfig) -> tuple[lis
     return per_channel, layouts
 
 
-def encode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: CodecConfig) -> list[bool]:
+RESIDUAL_FAULTS = (
+    "",
+    "a part body of another length than its content",
+    "an unknown part format",
+    "its code tables are out of order, out of range or not complete codes",
+    "a value whose context has no code table",
+    "a code that is in no table",
+    "a value decodes out of the word range",
+    "it decodes to a NaN or infinite word",
+    "bits set past the last value",
+)
+"""What decode_parts' per-part fault code (an index, ``ResidualFault`` in the C++) means."""
+
+
+def encode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: CodecConfig) -> list[int]:
     """Encode each part's ``rows[slots]`` into its buffers, all in one parallel region; per
-    part, whether its input was finite (if not, its buffers hold garbage: the caller raises)."""
+    part, the Residual bytes written, or -1 if its input was not finite (its buffers then
+    hold garbage: the caller raises)."""
     n = parts[0].rows.shape[0] if slots is None else slots.numel()
     per_channel, layouts = _geometry(parts, n, config)
     return module().encode_rows(
@@ -130,13 +145,14 @@ def encode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: Co
     )
 
 
-def decode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: CodecConfig) -> None:
+def decode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: CodecConfig) -> list[int]:
     """Decode validated parts into their ``rows[slots]`` in place, in one parallel region
-    (all with a residual or all without)."""
+    (all with a residual or all without); per part an index into RESIDUAL_FAULTS (a
+    lossless Residual's rows are written only when every part is sound)."""
     n = parts[0].rows.shape[0] if slots is None else slots.numel()
     per_channel, layouts = _geometry(parts, n, config)
     residuals = [part.residual for part in parts]
-    module().decode_rows(
+    return module().decode_rows(
         [part.anchor for part in parts],
         None if residuals[0] is None else residuals,
         [part.rows for part in parts],

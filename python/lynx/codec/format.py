@@ -24,10 +24,11 @@ Quantization (per group of values; all arithmetic in float32, in this order)
 * Decode: ``w = u`` (Anchor only) or ``w = u + v * 2**-r`` (exact in float32), then
   ``y = clamp((w * (scale * 0.5) + lo * 0.5) * 2, -max_p, max_p)`` cast to the KV dtype
   with round-to-nearest-even (``max_p``: the largest finite value of the KV dtype).
-* Residual ``"exact"``: the original KV words (2 bytes for bf16/fp16, 4 for fp32). A
-  fixed-size exact residual cannot be smaller: with ``lo = -1``, ``hi = 1`` the anchor
-  bucket around 0 holds more than 2**15 distinct bf16 values, so a fixed-width residual
-  that tells them apart needs 16 bits.
+* Residual ``"exact"`` (the default): lossless, the original words coded against the
+  Anchor (``lossless.py`` specifies the code): each value's distance, in words, from its
+  Anchor-only reconstruction, entropy-coded per part with a model chosen by how many
+  words an anchor step spans there. Anchor + Residual decode to the original words bit
+  for bit; its size depends on the data, at most the raw words plus a few header bytes.
 
 Groups
 ------
@@ -55,8 +56,15 @@ at a multiple of ``ALIGN`` bytes from the segment start (zero padding in between
 
 * Anchor part:   ``mins`` (one ``p`` value per group, group order below),
   ``scales`` (likewise), ``codes`` (b-bit, packed as above).
-* Residual part: ``codes`` (r-bit, packed) for ``"int8"``; the raw KV words in element
-  order for ``"exact"``.
+* Residual part, ``"int8"``: ``codes`` (r-bit, packed).
+
+An ``"exact"`` Residual of a segment is one variable-length string, at most
+``segment_nbytes`` (its *capacity*): a ``<I`` byte count ``used`` of the whole string (a
+multiple of ``ALIGN``), ``<I`` end offsets of each part's body (from the string's start,
+non-decreasing; the first body starts right after them), the part bodies
+(``lossless.py``) back to back, then zeros up to ``used``. Only ``used`` bytes travel;
+the capacity is the raw words of every part, a byte per part, the offsets and
+alignment.
 
 Group order: per-token groups run (token, head, group-in-head); per-channel key groups
 run (block, head, channel).
@@ -70,8 +78,9 @@ from typing import Any, Literal
 
 import torch
 
-WIRE_VERSION = 1
-"""Bumped whenever any byte produced by this package changes meaning."""
+WIRE_VERSION = 2
+"""Bumped whenever any byte produced by this package changes meaning (2: the lossless
+``"exact"`` Residual, the default)."""
 
 ALIGN = 16
 """Every array of a segment starts at a multiple of this many bytes."""
@@ -114,12 +123,13 @@ class CodecConfig:
     """Settings of the progressive codec; both peers must hold equal ones.
 
     Defaults are the measured choice (docs/codec.md): 4-bit anchors, keys per channel over
-    blocks of 16 tokens, values per token in groups of 32, INT8 residual.
+    blocks of 16 tokens, values per token in groups of 32, and the lossless residual, so
+    Anchor + Residual is the KV cache bit for bit (``"int8"``: INT8 resolution, opt-in).
     """
 
     anchor_bits: int = 4
     group_size: int = 32
-    residual: Residual = "int8"
+    residual: Residual = "exact"
     key_layout: KeyLayout = "per_channel"
     key_block: int = 16
 
@@ -134,6 +144,12 @@ class CodecConfig:
             raise CodecInputError(f"key_layout must be 'per_channel' or 'per_token', got {self.key_layout!r}")
         if not (_is_power_of_two(self.key_block) and 2 <= self.key_block <= 256):
             raise CodecInputError(f"key_block must be a power of two in 2..256, got {self.key_block!r}")
+
+    @property
+    def residual_is_variable(self) -> bool:
+        """Whether a segment's Residual is shorter than its capacity, by how well it codes
+        (``"exact"``); the length then travels in its first word (module docstring)."""
+        return self.residual == "exact"
 
     @property
     def residual_bits(self) -> int:
@@ -291,7 +307,7 @@ def part_layout(
     codes_offset = scales_offset + _align(param_nbytes)
     anchor = codes_offset + _align(values * config.anchor_bits // 8)
     if config.residual == "exact":
-        residual = _align(values * itemsize)
+        residual = 1 + values * itemsize  # a lossless body's capacity: format byte, raw words
     else:
         residual = _align(values * config.residual_bits // 8)
     return PartLayout(
@@ -318,7 +334,12 @@ def segment_nbytes(layout: KVLayout, n_tokens: int, config: CodecConfig) -> tupl
     check_layout(layout, config)
     key = part_layout(n_tokens, layout.channels, "key", config, layout.dtype)
     value = part_layout(n_tokens, layout.channels, "value", config, layout.dtype)
-    return (
-        layout.num_layers * (key.anchor_nbytes + value.anchor_nbytes),
-        layout.num_layers * (key.residual_nbytes + value.residual_nbytes),
-    )
+    residual = layout.num_layers * (key.residual_nbytes + value.residual_nbytes)
+    if config.residual_is_variable:
+        residual = _align(residual_header_nbytes(layout) + residual)
+    return layout.num_layers * (key.anchor_nbytes + value.anchor_nbytes), residual
+
+
+def residual_header_nbytes(layout: KVLayout) -> int:
+    """Bytes of a variable-length segment Residual's head: its length and the part ends."""
+    return 4 * (1 + 2 * layout.num_layers)

@@ -16,12 +16,14 @@ import torch
 from . import backend
 from .cpp_backend import PartIO
 from .format import (
+    ALIGN,
     CodecConfig,
     CodecInputError,
     Kind,
     KVLayout,
     check_layout,
     part_layout,
+    residual_header_nbytes,
     segment_nbytes,
 )
 
@@ -66,8 +68,10 @@ def _check_slots(slots: torch.Tensor, rows: int, device: torch.device) -> None:
 
 
 def _parts(layout: KVLayout, n: int, config: CodecConfig) -> Iterator[tuple[int, Kind, slice, slice]]:
-    """(layer, kind, anchor byte range, residual byte range) of each part, in wire order."""
-    anchor_at = residual_at = 0
+    """(layer, kind, anchor byte range, residual byte range) of each part, in wire order; a
+    variable-length Residual's ranges are its parts' capacities, after its head."""
+    anchor_at = 0
+    residual_at = residual_header_nbytes(layout) if config.residual_is_variable else 0
     sizes = {kind: part_layout(n, layout.channels, kind, config, layout.dtype) for kind in _KINDS}
     for layer in range(layout.num_layers):
         for kind in _KINDS:
@@ -115,19 +119,80 @@ def encode_pages(
     config: CodecConfig,
     anchor_out: torch.Tensor,
     residual_out: torch.Tensor,
-) -> None:
-    """Encode the segment ``slots`` (all layers, K and V) into the two byte buffers.
+) -> int:
+    """Encode the segment ``slots`` (all layers, K and V) into the two byte buffers;
+    returns how many bytes of ``residual_out`` the Residual takes (all of them unless
+    ``config.residual_is_variable``; the rest is zero) and so travel.
 
     Raises CodecInputError, naming layer, kind, token and slot, on a non-finite value.
     """
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor_out, residual_out)
     buffers = {"key": k_buffers, "value": v_buffers}
-    parts, wheres = [], []
+    parts, wheres, ranges = [], [], []
     for layer, kind, anchor_range, residual_range in _parts(layout, slots.numel(), config):
         rows = buffers[kind][layer].view(-1, layout.channels)
         parts.append(PartIO(rows, kind, anchor_out[anchor_range], residual_out[residual_range]))
         wheres.append(f"in layer {layer} {kind}s")
-    backend.encode_parts(parts, wheres, slots, config, layout.head_dim)
+        ranges.append(residual_range)
+    used = backend.encode_parts(parts, wheres, slots, config, layout.head_dim)
+    if not config.residual_is_variable:
+        return residual_out.numel()
+    return _compact_residual(residual_out, [r.start for r in ranges], used, residual_header_nbytes(layout))
+
+
+def _compact_residual(residual: torch.Tensor, starts: list[int], lengths: list[int], head: int) -> int:
+    """Move the part bodies (``lengths`` bytes at ``starts``, in order, each start at or
+    after the previous body's new end) back to back after the head, write the head and
+    zero the rest up to a multiple of ALIGN; returns that length."""
+    ends, at = [], head
+    for start, length in zip(starts, lengths, strict=True):
+        if start != at:  # destination below the source: a copy of the source first
+            residual[at : at + length] = residual[start : start + length].clone()
+        at += length
+        ends.append(at)
+    used = -(-at // ALIGN) * ALIGN
+    residual[at:].zero_()
+    residual[:head] = torch.tensor([used, *ends], dtype=torch.int32).view(torch.uint8).to(residual.device)
+    return used
+
+
+def residual_nbytes_of(residual: torch.Tensor, n_tokens: int, layout: KVLayout, config: CodecConfig) -> int:
+    """How many bytes of a segment's Residual travel, read from its head when its length
+    varies (``residual`` is the segment's whole Residual space, ``segment_nbytes`` long).
+    CodecInputError if that head is not a possible one."""
+    capacity = segment_nbytes(layout, n_tokens, config)[1]
+    if not config.residual_is_variable:
+        return capacity
+    used, _ = _residual_head(residual, n_tokens, layout, config)
+    return used
+
+
+def _residual_head(
+    residual: torch.Tensor, n_tokens: int, layout: KVLayout, config: CodecConfig
+) -> tuple[int, list[int]]:
+    """(length, part ends) from a variable-length segment Residual's head, checked against
+    the segment's capacity and each part's."""
+    capacity = segment_nbytes(layout, n_tokens, config)[1]
+    head = residual_header_nbytes(layout)
+    if residual.numel() < head:
+        raise CodecInputError(f"a segment Residual of {residual.numel()} bytes is shorter than its head")
+    values = [v & 0xFFFFFFFF for v in residual[:head].cpu().view(torch.int32).tolist()]
+    used, ends = values[0], values[1:]
+    if used % ALIGN or not head < used <= min(capacity, residual.numel()):
+        raise CodecInputError(
+            f"corrupt lossless residual: its head says {used} bytes, a segment of {n_tokens} tokens "
+            f"has room for {capacity} (a multiple of {ALIGN} above {head})"
+        )
+    limits = [part_layout(n_tokens, layout.channels, kind, config, layout.dtype).residual_nbytes for kind in _KINDS]
+    start = head
+    for index, end in enumerate(ends):
+        if not start < end <= min(used, start + limits[index % 2]):
+            raise CodecInputError(
+                f"corrupt lossless residual: part {index} of the segment ends at byte {end}, "
+                f"after byte {start} and within {min(used, start + limits[index % 2])} expected"
+            )
+        start = end
+    return used, ends
 
 
 def decode_pages(
@@ -140,34 +205,31 @@ def decode_pages(
 ) -> None:
     """Write the segment's reconstruction into the pool rows ``slots`` in place.
 
-    ``residual=None``: Anchor-only values; with the Residual: full precision (bit-exact
-    with ``residual="exact"``). Everything is validated before the first row is written.
+    ``residual=None``: Anchor-only values; with the Residual (the segment's whole Residual
+    space, ``segment_nbytes`` long): full precision, bit-exact with ``residual="exact"``.
+    Everything is validated before the first row is written: sizes and parameters first,
+    a lossless Residual's every part as it decodes.
     """
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor, residual)
     n = slots.numel()
     parts = list(_parts(layout, n, config))
-    for layer, kind, anchor_range, residual_range in parts:
+    bodies: list[torch.Tensor | None] = [None if residual is None else residual[r] for _, _, _, r in parts]
+    if residual is not None and config.residual_is_variable:
+        _, ends = _residual_head(residual, n, layout, config)
+        starts = [residual_header_nbytes(layout), *ends[:-1]]
+        bodies = [residual[start:end] for start, end in zip(starts, ends, strict=True)]
+    wheres = [f"layer {layer} {kind}s" for layer, kind, _, _ in parts]
+    for (_, kind, anchor_range, _), body, where in zip(parts, bodies, wheres, strict=True):
         backend.check_part_buffers(
-            anchor[anchor_range],
-            None if residual is None else residual[residual_range],
-            n,
-            layout.channels,
-            kind,
-            config,
-            layout.dtype,
-            f"layer {layer} {kind}s",
+            anchor[anchor_range], body, n, layout.channels, kind, config, layout.dtype, where
         )
     buffers = {"key": k_buffers, "value": v_buffers}
     backend.decode_parts(
         [
-            PartIO(
-                buffers[kind][layer].view(-1, layout.channels),
-                kind,
-                anchor[anchor_range],
-                None if residual is None else residual[residual_range],
-            )
-            for layer, kind, anchor_range, residual_range in parts
+            PartIO(buffers[kind][layer].view(-1, layout.channels), kind, anchor[anchor_range], body)
+            for (layer, kind, anchor_range, _), body in zip(parts, bodies, strict=True)
         ],
         slots,
         config,
+        wheres,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import lossless
 from .format import CodecConfig, CodecInputError, Kind, PartLayout, part_layout
 
 
@@ -130,8 +131,10 @@ def encode_part(
     where: str = "",
     slots: torch.Tensor | None = None,
     head_dim: int | None = None,
-) -> None:
-    """Encode one (n, C) part into its Anchor and Residual byte ranges (see format.py).
+) -> int:
+    """Encode one (n, C) part into its Anchor and Residual byte ranges (see format.py);
+    returns how many Residual bytes it wrote (the rest is zero): all of them for
+    ``"int8"``, the lossless body's length for ``"exact"``.
 
     ``where``, ``slots`` and ``head_dim`` only enrich the error raised for non-finite input.
     """
@@ -140,8 +143,11 @@ def encode_part(
     layout = part_layout(n, channels, kind, config, dtype)
     anchor_out.zero_()
     residual_out.zero_()
+    if n == 0 and config.residual == "int8":
+        return layout.residual_nbytes
     if n == 0:
-        return
+        residual_out[0] = lossless.RAW
+        return 1
     mins, scales, codes, fine, finite = encode_tensors(part, kind, config)
     if not bool(finite):
         raise_non_finite(part, where, slots, head_dim)
@@ -150,8 +156,25 @@ def encode_part(
     anchor_out[layout.codes_offset : layout.codes_offset + codes.numel()] = codes
     if fine is not None:
         residual_out[: fine.numel()] = fine
-    else:
-        residual_out[: n * channels * dtype.itemsize].view(dtype).copy_(part.reshape(-1))
+        return layout.residual_nbytes
+    anchor = decode_tensors(mins, scales, codes, None, kind, config, torch.empty_like(part))
+    body = lossless.encode_body(
+        lossless.unsigned_words(part),
+        lossless.unsigned_words(anchor),
+        lossless.unsigned_words(value_scales(scales, n, channels, kind, config)),
+        dtype,
+    )
+    residual_out[: len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    return len(body)
+
+
+def value_scales(scales: torch.Tensor, n: int, channels: int, kind: Kind, config: CodecConfig) -> torch.Tensor:
+    """Each value's group scale, as an (n, C) tensor in element order."""
+    if kind == "value" or config.key_layout == "per_token":
+        return scales.repeat_interleave(config.group_size).view(n, channels)
+    block = config.key_block
+    per_block = scales.view(-1, channels)
+    return per_block.repeat_interleave(block, dim=0)[:n]
 
 
 def decode_tensors(
@@ -202,15 +225,22 @@ def decode_part(
     layout = part_layout(n, channels, kind, config, dtype)
     if n == 0:
         return
-    if residual is not None and config.residual == "exact":
-        out.copy_(residual[: n * channels * dtype.itemsize].view(dtype).view(n, channels))
-        return
     codes = anchor[layout.codes_offset : layout.codes_offset + n * channels * config.anchor_bits // 8]
+    mins = params(anchor, layout, layout.mins_offset, dtype)
+    scales = params(anchor, layout, layout.scales_offset, dtype)
+    if residual is not None and config.residual == "exact":
+        anchor_values = decode_tensors(mins, scales, codes, None, kind, config, out)
+        words = lossless.decode_body(
+            residual.cpu(),
+            lossless.unsigned_words(anchor_values.cpu()),
+            lossless.unsigned_words(value_scales(scales, n, channels, kind, config).cpu()),
+            dtype,
+        )
+        out.copy_(lossless.float_words(words, dtype).view(n, channels))
+        return
     fine = None
     if residual is not None:
         fine = residual[: n * channels * config.residual_bits // 8]
-    mins = params(anchor, layout, layout.mins_offset, dtype)
-    scales = params(anchor, layout, layout.scales_offset, dtype)
     out.copy_(decode_tensors(mins, scales, codes, fine, kind, config, out))
 
 

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "cpu_codec_kernels.h"
+#include "cpu_codec_lossless.h"
 
 namespace {
 
@@ -47,24 +48,30 @@ void zero_padding(const Part& p, int64_t param_nbytes, int64_t itemsize, torch::
   std::memset(a + param_nbytes, 0, p.scales_offset - param_nbytes);
   std::memset(a + p.scales_offset + param_nbytes, 0, p.codes_offset - p.scales_offset - param_nbytes);
   std::memset(a + codes_end, 0, anchor.numel() - codes_end);
-  const int64_t residual_end = p.exact ? p.n * p.channels * itemsize : p.n * p.channels * p.rbits() / 8;
+  if (p.exact) return;  // the lossless coder writes its whole capacity
+  const int64_t residual_end = p.n * p.channels * p.rbits() / 8;
   std::memset(residual.data_ptr<uint8_t>() + residual_end, 0, residual.numel() - residual_end);
 }
 
 template <typename D>
-std::vector<bool> encode_typed(const std::vector<Part>& parts, const std::vector<torch::Tensor>& rows,
-                               std::vector<torch::Tensor>& anchors, std::vector<torch::Tensor>& residuals,
-                               int threads) {
+std::vector<int64_t> encode_typed(const std::vector<Part>& parts, const std::vector<torch::Tensor>& rows,
+                                  std::vector<torch::Tensor>& anchors, std::vector<torch::Tensor>& residuals,
+                                  int threads) {
   std::vector<EncodeJob<D>> jobs;
   for (size_t i = 0; i < parts.size(); ++i)
     jobs.push_back({parts[i], reinterpret_cast<const typename D::Word*>(rows[i].data_ptr()),
                     anchors[i].data_ptr<uint8_t>(), residuals[i].data_ptr<uint8_t>()});
-  return encode_parts(jobs, threads);
+  const std::vector<bool> finite = encode_parts(jobs, threads);
+  if (parts[0].exact) return encode_lossless_parts(jobs, finite, threads);
+  std::vector<int64_t> used;
+  for (size_t i = 0; i < parts.size(); ++i) used.push_back(finite[i] ? residuals[i].numel() : -1);
+  return used;
 }
 
 // Encode parts i = rows[i][slots] (same slots, config and dtype; per-part key/value kind and
-// offsets) in one parallel region; per part, whether its input was finite.
-std::vector<bool> encode_rows(std::vector<torch::Tensor> rows, c10::optional<torch::Tensor> slots,
+// offsets): the Anchors in one parallel region, lossless Residuals in a second. Per part,
+// the Residual bytes written, -1 if its input was not finite.
+std::vector<int64_t> encode_rows(std::vector<torch::Tensor> rows, c10::optional<torch::Tensor> slots,
                               std::vector<bool> per_channel, int64_t group_size, int64_t key_block, int64_t bits,
                               bool exact, std::vector<int64_t> param_nbytes, std::vector<int64_t> scales_offset,
                               std::vector<int64_t> codes_offset, std::vector<torch::Tensor> anchors,
@@ -82,10 +89,16 @@ std::vector<bool> encode_rows(std::vector<torch::Tensor> rows, c10::optional<tor
     check_bytes(anchors[i]);
     check_bytes(residuals[i]);
     TORCH_CHECK(p.codes_offset + p.n * p.channels * bits / 8 <= anchors[i].numel(), "anchor buffer too small");
+    TORCH_CHECK(!exact || residuals[i].numel() == 1 + p.n * p.channels * rows[i].element_size(),
+                "a lossless residual buffer holds 1 + the part's raw bytes");
     zero_padding(p, param_nbytes[i], rows[i].element_size(), anchors[i], residuals[i]);
     parts.push_back(p);
   }
-  if (parts[0].n == 0) return std::vector<bool>(count, true);
+  if (parts[0].n == 0) {
+    for (auto& residual : residuals)
+      if (exact) residual.data_ptr<uint8_t>()[0] = kRawBody;
+    return std::vector<int64_t>(count, exact ? 1 : 0);
+  }
   const int nthreads = static_cast<int>(std::max<int64_t>(1, threads));
   switch (rows[0].scalar_type()) {
     case torch::kBFloat16:
@@ -100,19 +113,26 @@ std::vector<bool> encode_rows(std::vector<torch::Tensor> rows, c10::optional<tor
 }
 
 template <typename D>
-void decode_typed(const std::vector<Part>& parts, const std::vector<torch::Tensor>& anchors,
-                  const c10::optional<std::vector<torch::Tensor>>& residuals, std::vector<torch::Tensor>& rows,
-                  int threads) {
+std::vector<int64_t> decode_typed(const std::vector<Part>& parts, const std::vector<torch::Tensor>& anchors,
+                                  const c10::optional<std::vector<torch::Tensor>>& residuals,
+                                  std::vector<torch::Tensor>& rows, int threads) {
   std::vector<DecodeJob<D>> jobs;
   for (size_t i = 0; i < parts.size(); ++i)
     jobs.push_back({parts[i], anchors[i].data_ptr<uint8_t>(),
                     residuals.has_value() ? (*residuals)[i].data_ptr<uint8_t>() : nullptr,
                     reinterpret_cast<typename D::Word*>(rows[i].data_ptr())});
+  if (residuals.has_value() && parts[0].exact) {
+    std::vector<int64_t> lengths;
+    for (const auto& residual : *residuals) lengths.push_back(residual.numel());
+    return decode_lossless_parts(jobs, lengths, threads);
+  }
   decode_parts(jobs, threads);
+  return std::vector<int64_t>(parts.size(), kFaultNone);
 }
 
-// Decode parts i into rows[i][slots] in one parallel region (residuals None: Anchor only).
-void decode_rows(std::vector<torch::Tensor> anchors, c10::optional<std::vector<torch::Tensor>> residuals,
+// Decode parts i into rows[i][slots] in one parallel region (residuals None: Anchor only);
+// per part a ResidualFault (a lossless Residual: no row is written unless every part is sound).
+std::vector<int64_t> decode_rows(std::vector<torch::Tensor> anchors, c10::optional<std::vector<torch::Tensor>> residuals,
                  std::vector<torch::Tensor> rows, c10::optional<torch::Tensor> slots, std::vector<bool> per_channel,
                  int64_t group_size, int64_t key_block, int64_t bits, bool exact, std::vector<int64_t> scales_offset,
                  std::vector<int64_t> codes_offset, int64_t threads) {
@@ -129,7 +149,7 @@ void decode_rows(std::vector<torch::Tensor> anchors, c10::optional<std::vector<t
     check_bytes(anchors[i]);
     if (residuals.has_value()) check_bytes((*residuals)[i]);
   }
-  if (parts[0].n == 0) return;
+  if (parts[0].n == 0) return std::vector<int64_t>(count, kFaultNone);
   const int nthreads = static_cast<int>(std::max<int64_t>(1, threads));
   switch (rows[0].scalar_type()) {
     case torch::kBFloat16:
@@ -163,8 +183,8 @@ int64_t anchor_fault(torch::Tensor anchor, torch::Tensor like, int64_t groups, i
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode_rows", &encode_rows, "Encode parts rows[i][slots]; per part, whether its input was finite");
-  m.def("decode_rows", &decode_rows, "Decode parts into rows[i][slots]");
+  m.def("encode_rows", &encode_rows, "Encode parts rows[i][slots]; per part its Residual bytes, -1 if not finite");
+  m.def("decode_rows", &decode_rows, "Decode parts into rows[i][slots]; per part a residual fault code");
   m.def("anchor_params_fault", &anchor_fault, "0, or why an anchor's minimums/scales are corrupt");
   m.def("reciprocal_division_mismatches", &lynx_codec::reciprocal_division_mismatches,
         "Significand pairs where the encoder's reciprocal division differs from a division");

@@ -33,6 +33,7 @@ inline uint32_t float_to_bits(float f) {
 
 struct BF16 {
   using Word = uint16_t;
+  static constexpr int kFractionBits = 7;
   static float max() { return bits_to_float(0x7F7F0000u); }
   static float to_float(Word w) { return bits_to_float(static_cast<uint32_t>(w) << 16); }
   static Word from_float(float f) {  // round to nearest even (no NaN reaches here)
@@ -67,6 +68,7 @@ inline __m128i narrow16(__m256i w) {
 
 struct FP16 {
   using Word = uint16_t;
+  static constexpr int kFractionBits = 10;
   static float max() { return 65504.0f; }
   static float to_float(Word w) {
     _Float16 h;
@@ -97,6 +99,7 @@ struct FP16 {
 
 struct FP32 {
   using Word = uint32_t;
+  static constexpr int kFractionBits = 23;
   static float max() { return bits_to_float(0x7F7FFFFFu); }
   static float to_float(Word w) { return bits_to_float(w); }
   static Word from_float(float f) { return float_to_bits(f); }
@@ -465,10 +468,6 @@ bool encode_unit(const EncodeJob<D>& job, int64_t unit, EncodeScratch<D>& s) {
     rows[i] = job.rows + p.row(first + i) * C;
     for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + at, _MM_HINT_T0);
   }
-  if (p.exact) {
-    for (int64_t i = 0; i < count; ++i)
-      std::memcpy(reinterpret_cast<Word*>(job.residual) + (first + i) * C, rows[i], row_bytes);
-  }
   __m256i largest = _mm256_setzero_si256();  // of the magnitudes
   int64_t groups, params_at;
   if (p.per_channel) {
@@ -564,7 +563,7 @@ template <typename D>
 struct DecodeJob {
   Part p;
   const uint8_t* anchor;
-  const uint8_t* residual;  // nullptr: Anchor only
+  const uint8_t* residual;  // nullptr: Anchor only; never a lossless one (cpu_codec_lossless.h)
   typename D::Word* rows;
   static int64_t tokens_per_unit(const Part& p) { return p.per_channel ? p.key_block : 1; }
 };
@@ -599,12 +598,6 @@ void decode_unit(const DecodeJob<D>& job, int64_t unit, Scratch& s) {
   std::vector<uint8_t>&u = s.u, &v = s.v;
   const int64_t first = unit * tokens_per_unit;
   const int64_t count = std::min(tokens_per_unit, p.n - first);
-  if (residual && p.exact) {
-    for (int64_t i = 0; i < count; ++i)
-      std::memcpy(rows + p.row(first + i) * C, reinterpret_cast<const Word*>(residual) + (first + i) * C,
-                  C * sizeof(Word));
-    return;
-  }
   // Per-channel: one factor per channel for the whole block; per token: one per group.
   const int64_t params_at = p.per_channel ? unit * C : unit * (C / G);
   const int64_t nparams = p.per_channel ? C : C / G;
