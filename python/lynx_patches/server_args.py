@@ -38,7 +38,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "mode": (str, "When decode starts: full (after Anchor+Residual), anchor-only, speculative."),
     "anchor_bits": (int, "Upper bits of each INT8 code sent in the Anchor (2..4)."),
     "group_size": (int, "Values per quantization group of one token (power of two dividing head_dim)."),
-    "residual": (str, "Residual: int8 (Anchor+Residual = INT8) or exact (bit-exact BF16/FP16)."),
+    "residual": (
+        str,
+        "Residual: exact (default: lossless, Anchor+Residual = the KV bit for bit, ~0.75x BF16 bytes) "
+        "or int8 (INT8 resolution, 0.59x; outputs may differ from plain PD's).",
+    ),
     "key_layout": (str, "Key groups: per_channel (over key-block tokens) or per_token."),
     "key_block": (int, "Tokens per per-channel key group."),
     "protect_first": (

@@ -209,7 +209,9 @@ class SpeculativeDecoder:
         sampling = upstream.sampling_settings(req, vocab_size)
         window = speculation_window(
             max_tokens=self.max_tokens,
-            residual_bytes=RequestLayout.of(self.receiver.handshake, slots.numel()).sent_residual_nbytes,
+            residual_bytes=self.window.expected_residual_nbytes(
+                RequestLayout.of(self.receiver.handshake, slots.numel()).sent_residual_nbytes
+            ),
             residual_bytes_per_s=self.window.residual_bytes_per_s,
             tokens_per_s=self.window.tokens_per_s,
             agreement=self.stats.agreement_rate,
@@ -548,7 +550,9 @@ class SpeculativeDecoder:
             spec.transfer = transfer
         if transfer is not None and transfer.residual_latency_s and transfer.anchor_latency_s is not None:
             self.window.observe_residual(
-                transfer.residual_bytes, transfer.residual_latency_s - transfer.anchor_latency_s
+                transfer.residual_bytes,
+                transfer.residual_latency_s - transfer.anchor_latency_s,
+                transfer.residual_space,
             )
         if transfer is not None and self.metrics is not None:
             self.metrics.observe(transfer)

@@ -85,25 +85,27 @@ def test_cpp_matches_reference_bit_for_bit(case) -> None:
     layout = part_layout(n, channels, kind, config, pool.dtype)
     expect_anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
     expect_residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
-    encode_part(pool[slots], kind, config, expect_anchor, expect_residual)
+    used = encode_part(pool[slots], kind, config, expect_anchor, expect_residual)
 
     anchor = torch.full_like(expect_anchor, 0x5A)
     residual = torch.full_like(expect_residual, 0x5A)
-    assert cpp_backend.encode_parts([PartIO(pool, kind, anchor, residual)], slots, config) == [True]
+    assert cpp_backend.encode_parts([PartIO(pool, kind, anchor, residual)], slots, config) == [used]
     assert torch.equal(anchor, expect_anchor)
     assert torch.equal(residual, expect_residual)
 
     untouched = torch.ones(pool.shape[0], dtype=torch.bool)
     untouched[slots] = False
+    body = residual[:used]
     for with_residual in (False, True):
         expect = torch.empty((n, channels), dtype=pool.dtype)
-        decode_part(expect_anchor, expect_residual if with_residual else None, kind, config, expect)
+        decode_part(expect_anchor, body if with_residual else None, kind, config, expect)
         out = torch.full_like(pool, 7.0)
-        cpp_backend.decode_parts(
-            [PartIO(out, kind, anchor, residual if with_residual else None)], slots, config
-        )
+        faults = cpp_backend.decode_parts([PartIO(out, kind, anchor, body if with_residual else None)], slots, config)
+        assert faults == [0]
         assert torch.equal(out[slots].view(torch.uint8), expect.view(torch.uint8))
         assert bool((out[untouched] == 7.0).all())
+        if with_residual and config.residual == "exact":  # lossless: the pool's own words
+            assert torch.equal(out[slots].view(torch.uint8), pool[slots].view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,7 +118,7 @@ def test_non_finite_input_raises_the_reference_message(dtype, bad, monkeypatch) 
     layout = part_layout(5, 64, "key", config, dtype)
     anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
     residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
-    assert cpp_backend.encode_parts([PartIO(pool, "key", anchor, residual)], slots, config) == [False]
+    assert cpp_backend.encode_parts([PartIO(pool, "key", anchor, residual)], slots, config) == [-1]
 
     messages = []
     for choice in ("reference", "cpp"):
@@ -158,7 +160,7 @@ def test_anchor_faults_match_the_reference(dtype, array, value) -> None:
     anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
     residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
     part = PartIO(_pool("normal", 21, 64, dtype, 2), "key", anchor, residual)
-    assert cpp_backend.encode_parts([part], None, config) == [True]
+    assert cpp_backend.encode_parts([part], None, config)[0] > 0
     assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == 0
     offset = layout.mins_offset if array == "mins" else layout.scales_offset
     anchor[offset : offset + layout.param_nbytes].view(dtype)[layout.num_groups - 1] = value

@@ -1,6 +1,8 @@
 """Pins the codec's wire format: handshake bytes, settings validation, segment sizes and
 the exact bytes of tiny encoded inputs."""
 
+import hashlib
+
 import pytest
 import torch
 
@@ -18,17 +20,25 @@ from lynx.codec.reference import pack_codes, unpack_codes
 
 
 def test_config_handshake_bytes_are_pinned() -> None:
-    assert WIRE_VERSION == 1
-    assert CodecConfig().to_wire().hex() == "4c58430104200000001000"
+    assert WIRE_VERSION == 2
+    assert CodecConfig().to_wire().hex() == "4c58430204200001001000"  # the lossless residual
+    assert CodecConfig(residual="int8").to_wire().hex() == "4c58430204200000001000"
     wire = CodecConfig(
         anchor_bits=2, group_size=64, residual="exact", key_layout="per_token", key_block=32
     ).to_wire()
-    assert wire.hex() == "4c58430102400001012000"
+    assert wire.hex() == "4c58430202400001012000"
+
+
+def test_an_older_peer_is_refused_by_its_version() -> None:
+    older = bytearray(CodecConfig().to_wire())
+    older[3] = 1  # version 1: the exact residual was the raw words
+    with pytest.raises(WireMismatchError, match="peer speaks codec wire version 1, this side 2"):
+        CodecConfig.from_wire(bytes(older))
 
 
 def test_layout_handshake_bytes_are_pinned() -> None:
     layout = KVLayout(30, 3, 64, torch.bfloat16)
-    assert layout.to_wire().hex() == "4c584c011e000300400000"
+    assert layout.to_wire().hex() == "4c584c021e000300400000"
     assert KVLayout.from_wire(layout.to_wire()) == layout
     assert KVLayout.from_wire(KVLayout(2, 8, 128, torch.float16).to_wire()).dtype == torch.float16
 
@@ -111,16 +121,18 @@ def test_segment_sizes() -> None:
     # 2048 tokens: keys 128 blocks x 192 channels, values 2048 x 6 groups; bf16 params.
     key_anchor = 2 * 128 * 192 * 2 + 2048 * 192 // 2
     value_anchor = 2 * 2048 * 6 * 2 + 2048 * 192 // 2
-    assert segment_nbytes(layout, 2048, CodecConfig()) == (
-        30 * (key_anchor + value_anchor),
-        30 * 2 * 2048 * 192 // 2,
-    )
+    anchor = 30 * (key_anchor + value_anchor)
+    assert segment_nbytes(layout, 2048, CodecConfig(residual="int8")) == (anchor, 30 * 2 * 2048 * 192 // 2)
+    # The lossless residual's capacity: its head (length, 60 part ends), then per part a
+    # format byte and the raw words, padded to 16 bytes.
+    head = 4 * (1 + 60)
+    assert segment_nbytes(layout, 2048, CodecConfig()) == (anchor, -(-(head + 60 * (1 + 2048 * 192 * 2)) // 16) * 16)
     # 17 tokens: a partial key block; every array padded to 16 bytes.
-    anchor, residual = segment_nbytes(layout, 17, CodecConfig(anchor_bits=3, residual="exact"))
+    anchor, residual = segment_nbytes(layout, 17, CodecConfig(anchor_bits=3, residual="int8"))
     codes = 1232  # 17 * 192 * 3 / 8 = 1224, padded
     key = 2 * (2 * 192 * 2) + codes  # 2 blocks (16 + 1 tokens) x 192 channels
     value = 2 * 208 + codes  # 17 x 6 groups x 2 bytes = 204, padded
-    assert (anchor, residual) == (30 * (key + value), 30 * 2 * 17 * 192 * 2)
+    assert (anchor, residual) == (30 * (key + value), 30 * 2 * 2048)  # 17 * 192 * 5 / 8 = 2040, padded
     assert segment_nbytes(layout, 0, CodecConfig()) == (0, 0)
 
 
@@ -129,7 +141,7 @@ def _hex(t: torch.Tensor) -> str:
 
 
 def test_value_bytes_are_pinned() -> None:
-    config = CodecConfig(anchor_bits=4, group_size=8)
+    config = CodecConfig(anchor_bits=4, group_size=8, residual="int8")
     x = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7.5], [-1] * 8], dtype=torch.bfloat16)
     enc = encode(x, config)
     pad = "00" * 12
@@ -143,7 +155,7 @@ def test_value_bytes_are_pinned() -> None:
 
 
 def test_per_channel_key_bytes_are_pinned() -> None:
-    config = CodecConfig(anchor_bits=3, group_size=8, key_block=2)
+    config = CodecConfig(anchor_bits=3, group_size=8, key_block=2, residual="int8")
     keys = torch.tensor(
         [[0] * 8, [7, 14, 3.5, 0, -7, 7, 7, 7], [1, 2, 3, 4, 5, 6, 7, 8]], dtype=torch.bfloat16
     )
@@ -160,6 +172,21 @@ def test_per_channel_key_bytes_are_pinned() -> None:
         decode(enc.anchor, None, config=config, shape=keys.shape, dtype=keys.dtype, kind="key"),
         keys,
     )
+
+
+def test_lossless_residual_bytes_are_pinned() -> None:
+    """A part that codes no shorter than its words is stored raw: format byte 0, the words;
+    a part that codes shorter: format byte 1, its table count, tables, bit stream."""
+    x = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7.5], [-1] * 8], dtype=torch.bfloat16)
+    enc = encode(x, CodecConfig(group_size=8))
+    assert _hex(enc.residual) == "00" + x.view(torch.uint8).numpy().tobytes().hex()
+    cubes = (torch.linspace(-3, 3, 128) ** 3).view(2, 64).to(torch.bfloat16)
+    for kind, length, head, digest in (
+        ("value", 174, "0107", "12a1a05c2a00215d0269c626cf49cc95323a65d2f5dd02da526ea379450ea558"),
+        ("key", 180, "010e", "7eeff395faa114a1be3c6616bf3ce8b6db954420b1106c951465bc425ac26a1c"),
+    ):
+        body = encode(cubes, CodecConfig(), kind=kind).residual.numpy().tobytes()
+        assert (len(body), body[:2].hex(), hashlib.sha256(body).hexdigest()) == (length, head, digest)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])

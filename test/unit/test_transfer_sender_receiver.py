@@ -34,7 +34,6 @@ from lynx.transfer import (
 )
 from lynx.transfer.arena import ByteArena
 from lynx.transfer.protocol import checksum_values, span_checksum
-from lynx.transfer.receiver import _NON_FINITE, _largest_magnitude
 
 LAYERS, HEADS, HEAD_DIM, ROWS = 4, 2, 64, 2048
 LAYOUT = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
@@ -1247,13 +1246,44 @@ def play_prefill(pair: Pair, room: int, offer: Offer, space: torch.Tensor) -> No
     base = offer.anchor_addr - pair.receive_buffer.data_ptr()
     pair.receive_buffer[base : base + plan.receive_nbytes] = space[: plan.receive_nbytes]
     pair.receiver.on_notice(forged(NoticeKind.ACCEPT, room, offer.nonce, handshake=pair.handshake.to_wire()))
+    counts = plan.residual_nbytes_in(space)
     for stream in plan.streams:
-        checksums = checksum_values([span_checksum(space[span]) for _, span in plan.stream_ranges(stream)])
-        nbytes = plan.sent_nbytes()[stream]
+        ranges = plan.stream_ranges(stream, counts)
+        checksums = checksum_values([span_checksum(space[span]) for _, span in ranges])
+        nbytes = sum(span.stop - span.start for _, span in ranges)
         notice = forged(
             NoticeKind.LANDED, room, offer.nonce, stream=stream, nbytes=nbytes, checksums=tuple(checksums)
         )
         pair.receiver.on_notice(notice)
+
+
+def encoded_space(pair: Pair, slots: torch.Tensor, codec: CodecConfig) -> tuple[RequestLayout, torch.Tensor]:
+    """The request's Anchor and Residual regions as prefill encodes them."""
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    space = torch.zeros(plan.encoded_nbytes, dtype=torch.uint8)
+    for seg in plan.segments:
+        anchor, residual = plan.byte_ranges(seg)
+        encode_pages(
+            pair.prefill_k, pair.prefill_v, slots[seg.start : seg.end], codec, space[anchor], space[residual]
+        )
+    return plan, space
+
+
+def raw_lossless_residual(pair: Pair, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A segment's lossless Residual with every part stored raw (format byte 0, then its
+    words), as a prefill may send it; ``slots`` are the segment's."""
+    bodies = []
+    for layer in range(LAYERS):
+        for buffers in (pair.prefill_k, pair.prefill_v):
+            words = buffers[layer][slots].reshape(-1).view(torch.uint8)
+            bodies.append(torch.cat([torch.zeros(1, dtype=torch.uint8), words]))
+    head = 4 * (1 + len(bodies))
+    ends = (head + torch.tensor([b.numel() for b in bodies]).cumsum(0)).tolist()
+    used = -(-ends[-1] // 16) * 16
+    out = torch.zeros(capacity, dtype=torch.uint8)
+    out[:head] = torch.tensor([used, *ends], dtype=torch.int32).view(torch.uint8)
+    out[head : ends[-1]] = torch.cat(bodies)
+    return out
 
 
 @pytest.mark.parametrize(
@@ -1265,44 +1295,81 @@ def play_prefill(pair: Pair, room: int, offer: Offer, space: torch.Tensor) -> No
         ((0, 0), 0, -float("inf")),
     ],
 )
-def test_a_non_finite_exact_residual_fails_the_request(
+def test_a_non_finite_word_in_a_lossless_residual_fails_the_request(
     pairs: Callable[..., Pair], protect: tuple[int, int], token: int, value: float
 ) -> None:
-    """Checksums prove the bytes are prefill's, not that they are sane: a NaN word in an
-    exact Residual (here at a protected token, decoded with the Anchor, or not) fails the
-    request before any KV row is written."""
+    """Checksums prove the bytes are prefill's, not that they are sane: a lossless Residual
+    that decodes to a NaN word (here stored raw; at a protected token, decoded with the
+    Anchor, or not) fails the request before any row of its segment is written."""
     codec = CodecConfig(residual="exact")
     pair = pairs(checksums=True, codec=codec, protect=protect)
     offer = pair.reserve(60)
     assert offer is not None
-    plan = RequestLayout.of(pair.handshake, N_TOKENS)
     slots = torch.as_tensor(pair.pages(seed=38))
-    space = torch.zeros(plan.encoded_nbytes, dtype=torch.uint8)
-    for seg in plan.segments:
-        anchor, residual = plan.byte_ranges(seg)
-        encode_pages(
-            pair.prefill_k, pair.prefill_v, slots[seg.start : seg.end], codec, space[anchor], space[residual]
-        )
+    plan, space = encoded_space(pair, slots, codec)
     seg = next(s for s in plan.segments if s.start <= token < s.end)
-    words = space[plan.byte_ranges(seg)[1]].view(torch.bfloat16)
-    words[(token - seg.start) * HEADS * HEAD_DIM + 5] = value  # layer 0 keys, one channel
+    residual = plan.byte_ranges(seg)[1]
+    space[residual] = raw_lossless_residual(pair, slots[seg.start : seg.end], seg.residual_nbytes)
+    head = 4 * (1 + 2 * LAYERS)
+    words = space[residual.start + head + 1 : residual.stop].view(torch.bfloat16)  # layer 0 keys
+    words[(token - seg.start) * HEADS * HEAD_DIM + 5] = value
     play_prefill(pair, 60, offer, space)
     assert pair.verdict(60) == (Verdict.READY, None)
     with pytest.raises(
-        ReceiveIntegrityError, match=rf"exact Residual of tokens \[{seg.start}, {seg.end}\) holds a NaN"
+        ReceiveIntegrityError, match=rf"tokens \[{seg.start}, {seg.end}\).*NaN or infinite word"
     ):
         pair.receiver.write_kv(60, torch.arange(N_TOKENS))
-    assert all(not k.any() for k in pair.decode_k)
+    assert all(not k[seg.start : seg.end].any() for k in pair.decode_k)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_finite_check_tells_extremes_from_non_finite_words(dtype: torch.dtype) -> None:
-    finfo = torch.finfo(dtype)
-    finite = torch.tensor(
-        [finfo.max, -finfo.max, finfo.tiny, finfo.smallest_normal / 4, 0.0, -0.0, 1.5], dtype=dtype
-    )
-    threshold = _NON_FINITE[dtype][1]
-    assert int(_largest_magnitude(finite.view(torch.uint8), dtype)) < threshold
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        words = torch.cat([finite, torch.tensor([bad], dtype=dtype)])
-        assert int(_largest_magnitude(words.view(torch.uint8), dtype)) >= threshold, bad
+def test_a_raw_lossless_residual_decodes_like_a_coded_one(pairs: Callable[..., Pair]) -> None:
+    """A decoder takes any part body the format allows: raw bodies give the same rows."""
+    codec = CodecConfig(residual="exact")
+    pair = pairs(codec=codec)
+    offer = pair.reserve(61)
+    assert offer is not None
+    slots = torch.as_tensor(pair.pages(seed=39))
+    plan, space = encoded_space(pair, slots, codec)
+    seg = plan.segments[1]
+    space[plan.byte_ranges(seg)[1]] = raw_lossless_residual(pair, slots[seg.start : seg.end], seg.residual_nbytes)
+    play_prefill(pair, 61, offer, space)
+    assert pair.receiver.write_kv(61, torch.arange(N_TOKENS))
+    expect_k, expect_v = pair.prefill_rows(slots)
+    for got, want in zip([*pair.decode_k, *pair.decode_v], [*expect_k, *expect_v], strict=True):
+        assert torch.equal(got[:N_TOKENS].view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("corrupt", ["length", "part end", "format", "landed"])
+def test_a_corrupt_lossless_residual_fails_the_request(pairs: Callable[..., Pair], corrupt: str) -> None:
+    """Without checksums, a lossless Residual whose head, part bodies or landed count do not
+    hold together fails its request with a clear error."""
+    codec = CodecConfig(residual="exact")
+    pair = pairs(codec=codec)
+    offer = pair.reserve(62)
+    assert offer is not None
+    slots = torch.as_tensor(pair.pages(seed=40))
+    plan, space = encoded_space(pair, slots, codec)
+    seg = plan.segments[1]
+    residual = space[plan.byte_ranges(seg)[1]]
+    head = residual[: 4 * (1 + 2 * LAYERS)].view(torch.int32)
+    expected = {
+        "length": r"its head says \d+ bytes, a segment of 256 tokens has room for",
+        "part end": r"part 3 of the segment ends at byte",
+        "format": r"unknown part format",
+        "landed": r"segments say they take \d+ bytes, prefill reported \d+ landed",
+    }[corrupt]
+    if corrupt == "length":
+        head[0] = seg.residual_nbytes + 16
+    elif corrupt == "part end":
+        head[4] = head[3]  # part 3 ends where it starts: an empty body
+    elif corrupt == "format":
+        residual[int(head[1])] = 7  # the first byte of part 1's body
+    play_prefill(pair, 62, offer, space)
+    if corrupt == "landed":  # prefill reports one block more than the segments take
+        pair.receiver.on_notice(forged(NoticeKind.LANDED, 62, offer.nonce, stream=Stream.RESIDUAL, nbytes=1))
+        tracker_bytes = pair.receiver.report(62)
+        assert tracker_bytes is not None
+        state = pair.receiver._rooms[62]
+        state.tracker.landed[Stream.RESIDUAL] += 16
+    with pytest.raises(ReceiveIntegrityError, match=expected):
+        pair.receiver.write_kv(62, torch.arange(N_TOKENS))

@@ -335,8 +335,8 @@ def segment_nbytes(layout: KVLayout, n_tokens: int, config: CodecConfig) -> tupl
     key = part_layout(n_tokens, layout.channels, "key", config, layout.dtype)
     value = part_layout(n_tokens, layout.channels, "value", config, layout.dtype)
     residual = layout.num_layers * (key.residual_nbytes + value.residual_nbytes)
-    if config.residual_is_variable:
-        residual = _align(residual_header_nbytes(layout) + residual)
+    if config.residual_is_variable:  # an empty segment has empty halves, no head
+        residual = _align(residual_header_nbytes(layout) + residual) if n_tokens else 0
     return layout.num_layers * (key.anchor_nbytes + value.anchor_nbytes), residual
 
 

@@ -127,6 +127,8 @@ def encode_pages(
     Raises CodecInputError, naming layer, kind, token and slot, on a non-finite value.
     """
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor_out, residual_out)
+    if not slots.numel():
+        return 0  # an empty segment: both halves are empty
     buffers = {"key": k_buffers, "value": v_buffers}
     parts, wheres, ranges = [], [], []
     for layer, kind, anchor_range, residual_range in _parts(layout, slots.numel(), config):
@@ -213,6 +215,8 @@ def decode_pages(
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor, residual)
     n = slots.numel()
     parts = list(_parts(layout, n, config))
+    if not n:
+        return
     bodies: list[torch.Tensor | None] = [None if residual is None else residual[r] for _, _, _, r in parts]
     if residual is not None and config.residual_is_variable:
         _, ends = _residual_head(residual, n, layout, config)

@@ -5,7 +5,8 @@ buffers, seen as (rows, channels)).
 They follow the float32 operation order of ``format.py`` step for step, with IEEE
 division (``div_rn``), round-half-even by the 1.5 * 2**23 trick and FMA contraction
 disabled, so they write the same bytes and values as ``reference.py`` (tested under
-``TRITON_INTERPRET=1``).
+``TRITON_INTERPRET=1``). They write the Anchor and an INT8 Residual; a lossless Residual
+is coded and decoded on the host for now (``backend.py``), no kernel codes it.
 """
 
 from __future__ import annotations
@@ -151,9 +152,7 @@ def _encode_token_groups(
     u, v = _quantize(x, lo, hi, group_mask, mins_ptr, scales_ptr, t * (C // G) + g, BITS, PARAM, 8 - BITS)
     word_index = t * (C // 8) + g * (G // 8) + w
     _store_packed(codes_ptr, word_index, u, j, group_mask, BITS)
-    if EXACT:
-        tl.store(residual_ptr + t * C + channel, raw, mask=group_mask)
-    else:
+    if not EXACT:  # a lossless Residual is coded on the host (backend.py)
         _store_packed(residual_ptr, word_index, v, j, group_mask, 8 - BITS)
 
 
@@ -190,9 +189,7 @@ def _encode_key_blocks(
     u, v = _quantize(x, lo, hi, w < C // 8, mins_ptr, scales_ptr, block * C + channel, BITS, PARAM, 8 - BITS)
     word_index = t * (C // 8) + w
     _store_packed(codes_ptr, word_index, u, j, mask, BITS)
-    if EXACT:
-        tl.store(residual_ptr + t * C + channel, raw, mask=mask)
-    else:
+    if not EXACT:  # a lossless Residual is coded on the host (backend.py)
         _store_packed(residual_ptr, word_index, v, j, mask, 8 - BITS)
 
 
@@ -274,7 +271,7 @@ def encode_rows(
     slots = _slots_or_all(slots, n, rows.device)
     mins, scales, codes = _param_views(anchor_out, layout, rows.dtype)
     exact = config.residual == "exact"
-    residual = residual_out.view(rows.dtype) if exact else residual_out
+    residual = residual_out
     common = {
         "BITS": config.anchor_bits,
         "PARAM": _PARAM_CODES[rows.dtype],
@@ -308,11 +305,9 @@ def decode_rows(
     n, channels = layout.n_tokens, layout.channels
     if n == 0:
         return
+    if residual is not None and config.residual_is_variable:
+        raise ValueError("a lossless Residual is decoded on the host (backend.py), not by a kernel")
     slots = _slots_or_all(slots, n, rows.device)
-    if residual is not None and config.residual == "exact":
-        raw = residual[: n * channels * rows.element_size()].view(rows.dtype)
-        rows.index_copy_(0, slots, raw.view(n, channels))
-        return
     mins, scales, codes = _param_views(anchor, layout, rows.dtype)
     words_pad = _next_pow2(channels // 8)
     block_t = max(1, _TILE // (8 * words_pad))

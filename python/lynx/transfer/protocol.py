@@ -1,4 +1,4 @@
-"""Lynx's control messages between a prefill and a decode server (protocol v3).
+"""Lynx's control messages between a prefill and a decode server (protocol v4).
 
 SGLang's Mooncake connector already carries, over ZMQ, a per-request metadata message
 from decode to prefill (the room, decode's page ids, the aux slot) and status messages
@@ -27,7 +27,7 @@ room, and only when the offer's token count is its own.
 Every integer is little-endian. The layouts, pinned by ``test/unit/test_transfer_protocol.py``:
 
 =========  =====================================================================
-handshake  ``<4sBBBII`` magic ``b"LXHS"``, PROTOCOL_VERSION (3), mode code (0 full,
+handshake  ``<4sBBBII`` magic ``b"LXHS"``, PROTOCOL_VERSION (4), mode code (0 full,
            1 anchor-only, 2 speculative), flags (bit 0: checksums; any other bit set
            is refused), protect_first, protect_last (tokens); then the codec's
            ``CodecConfig.to_wire()`` (11 bytes) and ``KVLayout.to_wire()`` (11 bytes):
@@ -43,7 +43,9 @@ LANDED     ``<QQBBQI`` room, nonce, stream (0 Anchor, 1 Residual), ok (1/0), byt
 RELEASED   ``<QQ`` room, nonce
 =========  =====================================================================
 
-v3 added the nonce, the checksums and the handshake's flags byte; v2 added the
+v4 lets a segment's Residual travel shorter than its space (the codec's lossless
+``exact`` Residual, codec wire version 2): LANDED counts the bytes that travelled; v3
+added the nonce, the checksums and the handshake's flags byte; v2 added the
 protected-token counts to the handshake (v1: the 6-byte head ``<4sBB``). Magic, version
 and mode lead the handshake in every version, so an older peer is refused by name
 (``peer speaks Lynx protocol v2``), also from an offer of another version.
@@ -80,7 +82,12 @@ mode sends is what both sides send and expect:
   is empty (no Residual stream travels, as in anchor-only mode);
 * every boundary falls on a multiple of ``key_block``, so per-channel key blocks never
   straddle segments, and it depends only on the token count and the handshake, so the
-  decoded KV does not depend on how prefill chunked the prompt.
+  decoded KV does not depend on how prefill chunked the prompt;
+* with a variable-length Residual (``CodecConfig.residual_is_variable``) every segment
+  keeps its place, sized for its largest Residual, but only the bytes its Residual takes
+  travel (the codec writes that count in the Residual's first word,
+  ``lynx.codec.residual_nbytes_of``): a stream carrying Residuals then sends at most
+  ``sent_nbytes()``, and each segment's range on it ends where its Residual does.
 """
 
 from __future__ import annotations
@@ -94,11 +101,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lynx.codec import CodecConfig, KVLayout, segment_nbytes
+from lynx.codec import CodecConfig, KVLayout, residual_nbytes_of, segment_nbytes
 from lynx.codec.format import CONFIG_WIRE_NBYTES
 from lynx.mode import Mode
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 TAG = b"LYNX1"
 SEGMENT_TOKENS = 256
 """Tokens per encoded segment: a multiple of every allowed ``key_block`` (<= 256)."""
@@ -420,6 +427,8 @@ class RequestLayout:
     ) -> None:
         self.n_tokens = n_tokens
         self.mode = mode
+        self.residual_is_variable = config.residual_is_variable
+        self._layout, self._config = layout, config
         self.protect_until, self.protect_from = _protected_bounds(
             config, n_tokens, protect_first, protect_last
         )
@@ -496,8 +505,19 @@ class RequestLayout:
         return self.residual_nbytes if Stream.RESIDUAL in self.streams else 0
 
     def sent_nbytes(self) -> dict[Stream, int]:
-        """Bytes on each stream, 0 for one that does not travel."""
+        """Bytes on each stream, 0 for one that does not travel; the most a stream of
+        :attr:`variable_streams` sends."""
         return {Stream.ANCHOR: self.anchor_nbytes, Stream.RESIDUAL: self.sent_residual_nbytes}
+
+    @property
+    def variable_streams(self) -> frozenset[Stream]:
+        """The streams that send fewer bytes than their space when Residuals code short:
+        those carrying a variable-length Residual (the Anchor stream carries the protected
+        segments')."""
+        if not self.residual_is_variable:
+            return frozenset()
+        carried = {seg.residual_stream for seg in self.segments}
+        return frozenset(stream for stream in self.streams if stream in carried)
 
     @property
     def encoded_nbytes(self) -> int:
@@ -521,10 +541,19 @@ class RequestLayout:
             slice(residual_at, residual_at + seg.residual_nbytes),
         )
 
-    def sent_ranges(self, seg: Segment) -> list[tuple[Stream, slice]]:
+    def sent_ranges(self, seg: Segment, residual_nbytes: int | None = None) -> list[tuple[Stream, slice]]:
         """The bytes of ``seg`` that travel, one contiguous range per stream (a protected
-        segment's Residual follows its Anchor): (stream, range in the request's space)."""
+        segment's Residual follows its Anchor): (stream, range in the request's space).
+        ``residual_nbytes``: how many of its Residual's bytes travel (a variable-length
+        Residual's own count; default all of its space)."""
         anchor, residual = self.byte_ranges(seg)
+        if residual_nbytes is not None:
+            if not 0 < residual_nbytes <= seg.residual_nbytes:
+                raise ValueError(
+                    f"a Residual of {residual_nbytes} bytes for tokens [{seg.start}, {seg.end}), "
+                    f"whose space holds {seg.residual_nbytes}"
+                )
+            residual = slice(residual.start, residual.start + residual_nbytes)
         if seg.protected:
             return [(Stream.ANCHOR, slice(anchor.start, residual.stop))]
         ranges = [(Stream.ANCHOR, anchor)]
@@ -532,9 +561,34 @@ class RequestLayout:
             ranges.append((Stream.RESIDUAL, residual))
         return ranges
 
-    def stream_ranges(self, stream: Stream) -> list[tuple[Segment, slice]]:
-        """Each segment's range on ``stream``, in order: what one checksum covers."""
-        return [(seg, span) for seg in self.segments for s, span in self.sent_ranges(seg) if s is stream]
+    def residual_nbytes_in(
+        self, space: torch.Tensor, streams: Sequence[Stream] = tuple(Stream)
+    ) -> list[int | None] | None:
+        """Each segment's travelling Residual bytes, read from the request's ``space``
+        (its Anchor region, then its Residual region) for the segments whose Residual is
+        on ``streams`` (None for the others); None when Residuals have a fixed size.
+        CodecInputError (from the codec) for a Residual whose count is not a possible one."""
+        if not self.residual_is_variable:
+            return None
+        return [
+            residual_nbytes_of(space[self.byte_ranges(seg)[1]], seg.end - seg.start, self._layout, self._config)
+            if seg.residual_stream in streams
+            else None
+            for seg in self.segments
+        ]
+
+    def stream_ranges(
+        self, stream: Stream, residual_nbytes: Sequence[int] | None = None
+    ) -> list[tuple[Segment, slice]]:
+        """Each segment's range on ``stream``, in order: what one checksum covers.
+        ``residual_nbytes``: each segment's travelling Residual bytes (``sent_ranges``)."""
+        counts = residual_nbytes or [None] * len(self.segments)
+        return [
+            (seg, span)
+            for seg, count in zip(self.segments, counts, strict=True)
+            for s, span in self.sent_ranges(seg, count)
+            if s is stream
+        ]
 
     def ready(self, tokens_available: int, *, last: bool) -> list[Segment]:
         """Segments wholly inside the first ``tokens_available`` tokens (all if last)."""

@@ -16,7 +16,9 @@ States (``RECEIVE_TRANSITIONS`` is the whole machine, pinned by a test)::
 request waits, it does not fail). ``OFFERED``: metadata and offer are out. ``ACCEPTED``:
 prefill agreed on the settings. ``ANCHOR_READY``/``COMPLETE``: the Anchor / every stream
 the request's transfer sends (``RequestLayout.streams``) landed: prefill reported exactly
-the bytes the request's layout puts on the stream, with one checksum per segment when
+the bytes the request's layout puts on the stream (at most those on a stream of
+variable-length Residuals, whose exact count decode checks as it decodes), with one
+checksum per segment when
 the handshake says so (none otherwise). A
 request is READY (its bytes go into the KV pool) once upstream says ``Success`` and it
 reached ``ANCHOR_READY`` (modes that start on the Anchor) or ``COMPLETE`` (``full``).
@@ -146,7 +148,10 @@ class ReceiveTracker:
         if notice.stream not in self.plan.streams:
             return "a stream this request does not send"
         expected = self.plan.sent_nbytes()[notice.stream]
-        if notice.nbytes != expected:
+        if notice.stream in self.plan.variable_streams:
+            if not 0 < notice.nbytes <= expected:  # each segment's own count is checked as it decodes
+                return f"{notice.nbytes} bytes, the request's layout sends 1 to {expected}"
+        elif notice.nbytes != expected:
             return f"{notice.nbytes} bytes, the request's layout sends {expected}"
         wanted = len(self.plan.stream_ranges(notice.stream)) if self.local.checksums else 0
         if len(notice.checksums) != wanted:

@@ -414,10 +414,11 @@ class ProgressiveSender:
             # decode's address of each stream's region
             regions = {Stream.ANCHOR: state.offer.anchor_addr, Stream.RESIDUAL: state.offer.residual_addr}
             writes: dict[Stream, list[tuple[int, int, int]]] = {stream: [] for stream in plan.streams}
+            sent: list[list[tuple[Stream, slice]]] = []  # per ready segment
             try:
                 for seg in ready:
                     anchor, residual = plan.byte_ranges(seg)
-                    encode_pages(
+                    residual_nbytes = encode_pages(
                         self._k,
                         self._v,
                         all_slots[seg.start : seg.end],
@@ -425,15 +426,16 @@ class ProgressiveSender:
                         space[anchor],
                         space[residual],
                     )
-                    for stream, span in plan.sent_ranges(seg):
+                    sent.append(plan.sent_ranges(seg, residual_nbytes))
+                    for stream, span in sent[-1]:
                         dst = regions[stream] + span.start - plan.region_offset(stream)
                         writes[stream].append((space.data_ptr() + span.start, dst, span.stop - span.start))
             except CodecError as exc:
                 self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
                 return
             if self.handshake.checksums:  # after the chunk's encode: interleaved with it, slower
-                for seg in ready:
-                    for stream, span in plan.sent_ranges(seg):
+                for ranges in sent:
+                    for stream, span in ranges:
                         checksums[stream].append(span_checksum(space[span]))
             state.segments_sent += len(ready)
             for stream, stream_writes in writes.items():

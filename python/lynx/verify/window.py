@@ -56,11 +56,20 @@ class WindowEstimator:
     weight: float = 0.3  # of the newest measurement
     residual_bytes_per_s: float | None = None  # Residual throughput once the Anchor landed
     tokens_per_s: float | None = None  # held tokens decoded per second, per request
+    # landed Residual bytes / the space reserved for them (a lossless Residual codes short)
+    residual_fill: float | None = None
 
-    def observe_residual(self, nbytes: int, seconds: float) -> None:
-        """A Residual of ``nbytes`` landed ``seconds`` after its Anchor."""
+    def observe_residual(self, nbytes: int, seconds: float, space: int | None = None) -> None:
+        """A Residual of ``nbytes`` (in ``space`` reserved bytes) landed ``seconds`` after
+        its Anchor."""
         if nbytes > 0 and seconds > 0:
             self.residual_bytes_per_s = self._mix(self.residual_bytes_per_s, nbytes / seconds)
+        if nbytes > 0 and space:
+            self.residual_fill = self._mix(self.residual_fill, min(1.0, nbytes / space))
+
+    def expected_residual_nbytes(self, space: int) -> int:
+        """How many bytes a Residual with ``space`` reserved bytes is expected to send."""
+        return space if self.residual_fill is None else math.ceil(space * self.residual_fill)
 
     def observe_decoding(self, tokens: int, seconds: float) -> None:
         """A request held ``tokens`` tokens decoded over ``seconds``."""
