@@ -104,9 +104,9 @@ def test_handshake_round_trips(handshake: Handshake) -> None:
     [
         (lambda w: w[:5], "too short"),
         (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
-        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v3"),
+        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v4"),
         (lambda w: w[:4] + bytes([2]) + w[5:], "protocol v2, this server v3"),
-        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v3"),  # any version's head
+        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v4"),  # any version's head
         (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
         (lambda w: w[:10], "10 bytes, too short"),  # truncated protection
         (lambda w: w[:6] + bytes([2]) + w[7:], "unknown Lynx handshake flags 0x02"),

@@ -416,7 +416,9 @@ def test_full_mode_decodes_the_codec_reconstruction(
 
     report = pair.receiver.forget(11)
     assert report is not None
-    assert (report.anchor_bytes, report.residual_bytes) == (plan.anchor_nbytes, plan.residual_nbytes)
+    sent = travelled(pair, src)
+    assert sent[Stream.RESIDUAL] < plan.residual_nbytes  # the lossless Residual codes short
+    assert (report.anchor_bytes, report.residual_bytes) == (sent[Stream.ANCHOR], sent[Stream.RESIDUAL])
     assert report.anchor_latency_s is not None and report.anchor_latency_s >= 0
     assert report.residual_latency_s is not None and report.residual_latency_s >= 0
     assert pair.receiver.forget(11) is None
@@ -427,12 +429,12 @@ def test_full_mode_decodes_the_codec_reconstruction(
     segments = len(plan.segments) if checksums else 0  # one checksum per segment and stream, if on
     assert [len(n.checksums) for n in pair.notices if n.kind is NoticeKind.LANDED] == [segments, segments]
     wait_for(lambda: pair.sender.stats().rooms == 0, "the sender to forget the room")
-    sent = pair.sender.stats()
-    assert (sent.buffer_used, sent.waiting_for_space) == (0, 0)
-    assert (sent.anchor_bytes, sent.residual_bytes) == (plan.anchor_nbytes, plan.residual_nbytes)
+    stats = pair.sender.stats()
+    assert (stats.buffer_used, stats.waiting_for_space) == (0, 0)
+    assert (stats.anchor_bytes, stats.residual_bytes) == (sent[Stream.ANCHOR], sent[Stream.RESIDUAL])
     got = pair.receiver.stats()
     assert (got.rooms, got.quarantined, got.buffer_used) == (0, 0, 0)
-    assert (got.anchor_bytes, got.residual_bytes) == (plan.anchor_nbytes, plan.residual_nbytes)
+    assert (got.anchor_bytes, got.residual_bytes) == (sent[Stream.ANCHOR], sent[Stream.RESIDUAL])
     # every byte went into the space decode offered
     for t in pair.backend.written():
         assert offer.anchor_addr <= t.dst and t.dst + t.length <= offer.residual_addr + offer.residual_nbytes
@@ -517,6 +519,17 @@ def protected_mask(plan: RequestLayout) -> torch.Tensor:
     return torch.tensor([s.protected for s in plan.segments for _ in range(s.start, s.end)])
 
 
+def travelled(pair: Pair, slots: torch.Tensor) -> dict[Stream, int]:
+    """The bytes a transfer of the tokens at prefill's ``slots`` puts on each stream: as
+    many as the request's space holds, less what its lossless Residuals did not take."""
+    plan, space = encoded_space(pair, torch.as_tensor(slots), pair.handshake.codec)
+    counts = plan.residual_nbytes_in(space)
+    sent = {stream: 0 for stream in Stream}
+    for stream in plan.streams:
+        sent[stream] = sum(span.stop - span.start for _, span in plan.stream_ranges(stream, counts))
+    return sent
+
+
 def bytes_written_into(pair: Pair, addr: int, nbytes: int) -> int:
     return sum(
         t.length for t in pair.backend.written() if addr <= t.dst and t.dst + t.length <= addr + nbytes
@@ -562,18 +575,21 @@ def test_protected_tokens_are_full_precision_once_the_anchor_lands(
     if residual == "exact":
         assert_rows_equal(pair.decode_rows(dst), rows)
     report = pair.receiver.forget(31)
+    sent = travelled(pair, torch.as_tensor(pages))
     assert report is not None and (report.anchor_bytes, report.residual_bytes) == (
-        plan.anchor_nbytes,
-        plan.residual_nbytes,
+        sent[Stream.ANCHOR],
+        sent[Stream.RESIDUAL],
     )
     assert pair.receiver.stats().buffer_used == 0
     pair.wait_released(31)
-    # every encoded byte sent once: protected Residuals in the Anchor region, on HIGH
-    assert sum(t.length for t in pair.backend.written()) == plan.encoded_nbytes
-    assert bytes_written_into(pair, offer.anchor_addr, offer.anchor_nbytes) == plan.anchor_nbytes
-    assert bytes_written_into(pair, offer.residual_addr, offer.residual_nbytes) == plan.residual_nbytes
+    # every travelling byte sent once: protected Residuals in the Anchor region, on HIGH
+    assert sum(t.length for t in pair.backend.written()) == sent[Stream.ANCHOR] + sent[Stream.RESIDUAL]
+    assert bytes_written_into(pair, offer.anchor_addr, offer.anchor_nbytes) == sent[Stream.ANCHOR]
+    assert bytes_written_into(pair, offer.residual_addr, offer.residual_nbytes) == sent[Stream.RESIDUAL]
     landed = [(n.stream, n.nbytes) for n in pair.notices if n.kind is NoticeKind.LANDED]
-    assert sorted(landed) == [(Stream.ANCHOR, plan.anchor_nbytes), (Stream.RESIDUAL, plan.residual_nbytes)]
+    assert sorted(landed) == [(Stream.ANCHOR, sent[Stream.ANCHOR]), (Stream.RESIDUAL, sent[Stream.RESIDUAL])]
+    if residual == "int8":
+        assert sent == {Stream.ANCHOR: plan.anchor_nbytes, Stream.RESIDUAL: plan.residual_nbytes}
 
 
 def test_anchor_only_sends_protected_tokens_at_full_precision(pairs: Callable[..., Pair]) -> None:
@@ -593,9 +609,11 @@ def test_anchor_only_sends_protected_tokens_at_full_precision(pairs: Callable[..
     assert pair.receiver.write_kv(32, dst) is False  # nothing more will come
     pair.receiver.forget(32)
     pair.wait_released(32)
-    assert sum(t.length for t in pair.backend.written()) == plan.anchor_nbytes
+    sent = travelled(pair, torch.as_tensor(pages))
+    assert sent[Stream.ANCHOR] < plan.anchor_nbytes  # the protected tokens' lossless Residuals
+    assert sum(t.length for t in pair.backend.written()) == sent[Stream.ANCHOR]
     landed = [(n.stream, n.nbytes) for n in pair.notices if n.kind is NoticeKind.LANDED]
-    assert landed == [(Stream.ANCHOR, plan.anchor_nbytes)]
+    assert landed == [(Stream.ANCHOR, sent[Stream.ANCHOR])]
     assert pair.receiver.stats().buffer_used == 0
 
 
@@ -617,8 +635,9 @@ def test_every_token_protected_sends_the_anchor_stream_alone(pairs: Callable[...
     assert pair.receiver.stats().buffer_used == 0  # complete: no write can still arrive
     pair.wait_released(33)
     assert pair.kinds(33) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.RELEASED]
-    sent = pair.sender.stats()
-    assert (sent.anchor_bytes, sent.residual_bytes) == (plan.encoded_nbytes, 0)
+    stats = pair.sender.stats()
+    assert (stats.anchor_bytes, stats.residual_bytes) == (travelled(pair, torch.as_tensor(pages))[Stream.ANCHOR], 0)
+    assert stats.anchor_bytes < plan.encoded_nbytes
 
 
 def test_other_protection_on_decode_is_refused(pairs: Callable[..., Pair]) -> None:
@@ -830,7 +849,7 @@ def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -
     bad_handshake = Offer(b"LXHS\x01\x00", 5, 64, 64, 128, 64, 1).to_wire()
     reason = pair.answer(9, bad_handshake)
     assert isinstance(reason, str) and reason.startswith("cannot read")
-    assert "peer speaks Lynx protocol v1, this server v3" in reason
+    assert "peer speaks Lynx protocol v1, this server v4" in reason
     assert [(n.kind, n.nonce) for n in pair.notices if n.room == 9] == [(NoticeKind.REJECT, 5)]
     reason = pair.answer(10, None)
     assert isinstance(reason, str) and "--lynx" in reason
@@ -1212,8 +1231,10 @@ def test_corrupt_landed_bytes_fail_before_any_kv_row_is_written(pairs: Callable[
     ):
         space.copy_(pristine)
         corrupt()
+        # a changed byte fails its checksum; random bytes fail the lossless Residual's
+        # head first (the range a checksum covers ends where that head says)
         with pytest.raises(
-            ReceiveIntegrityError, match=r"Residual bytes of tokens \[256, 512\) do not match"
+            ReceiveIntegrityError, match=r"Residual (bytes of tokens \[256, 512\) do not match|of tokens \[256, 512\): corrupt)"
         ):
             pair.receiver.write_kv(50, dst)
         assert all(not k.any() for k in pair.decode_k)  # not one row written
@@ -1235,13 +1256,16 @@ def test_a_corrupt_residual_fails_the_refinement_of_a_speculating_request(pairs:
     assert pair.receiver.write_kv(51, dst) is False  # decoding on the Anchor
     wait_for(lambda: pair.receiver.residual_verdict(51)[0] is Verdict.READY, "the Residual")
     pair.receive_buffer[offer.residual_addr - pair.receive_buffer.data_ptr()] ^= 1
-    with pytest.raises(ReceiveIntegrityError, match=r"Residual bytes of tokens \[0, 256\)"):
+    with pytest.raises(ReceiveIntegrityError, match=r"Residual (bytes )?of tokens \[0, 256\)"):
         pair.receiver.write_kv(51, dst)
 
 
-def play_prefill(pair: Pair, room: int, offer: Offer, space: torch.Tensor) -> None:
+def play_prefill(
+    pair: Pair, room: int, offer: Offer, space: torch.Tensor, extra_residual_nbytes: int = 0
+) -> None:
     """A prefill that writes ``space`` (the request's Anchor and Residual regions) into the
-    offered receive space itself and reports it with correct checksums."""
+    offered receive space itself and reports it with correct checksums (and the Residual
+    stream ``extra_residual_nbytes`` longer than it is)."""
     plan = RequestLayout.of(pair.handshake, offer.n_tokens)
     base = offer.anchor_addr - pair.receive_buffer.data_ptr()
     pair.receive_buffer[base : base + plan.receive_nbytes] = space[: plan.receive_nbytes]
@@ -1250,7 +1274,9 @@ def play_prefill(pair: Pair, room: int, offer: Offer, space: torch.Tensor) -> No
     for stream in plan.streams:
         ranges = plan.stream_ranges(stream, counts)
         checksums = checksum_values([span_checksum(space[span]) for _, span in ranges])
+        checksums = checksums if pair.handshake.checksums else []
         nbytes = sum(span.stop - span.start for _, span in ranges)
+        nbytes += extra_residual_nbytes if stream is Stream.RESIDUAL else 0
         notice = forged(
             NoticeKind.LANDED, room, offer.nonce, stream=stream, nbytes=nbytes, checksums=tuple(checksums)
         )
@@ -1259,7 +1285,7 @@ def play_prefill(pair: Pair, room: int, offer: Offer, space: torch.Tensor) -> No
 
 def encoded_space(pair: Pair, slots: torch.Tensor, codec: CodecConfig) -> tuple[RequestLayout, torch.Tensor]:
     """The request's Anchor and Residual regions as prefill encodes them."""
-    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    plan = RequestLayout.of(pair.handshake, slots.numel())
     space = torch.zeros(plan.encoded_nbytes, dtype=torch.uint8)
     for seg in plan.segments:
         anchor, residual = plan.byte_ranges(seg)
@@ -1310,9 +1336,9 @@ def test_a_non_finite_word_in_a_lossless_residual_fails_the_request(
     seg = next(s for s in plan.segments if s.start <= token < s.end)
     residual = plan.byte_ranges(seg)[1]
     space[residual] = raw_lossless_residual(pair, slots[seg.start : seg.end], seg.residual_nbytes)
-    head = 4 * (1 + 2 * LAYERS)
-    words = space[residual.start + head + 1 : residual.stop].view(torch.bfloat16)  # layer 0 keys
-    words[(token - seg.start) * HEADS * HEAD_DIM + 5] = value
+    body = residual.start + 4 * (1 + 2 * LAYERS) + 1  # layer 0 keys, after the format byte
+    at = body + 2 * ((token - seg.start) * HEADS * HEAD_DIM + 5)
+    space[at : at + 2] = torch.tensor([value], dtype=torch.bfloat16).view(torch.uint8)
     play_prefill(pair, 60, offer, space)
     assert pair.verdict(60) == (Verdict.READY, None)
     with pytest.raises(
@@ -1333,6 +1359,7 @@ def test_a_raw_lossless_residual_decodes_like_a_coded_one(pairs: Callable[..., P
     seg = plan.segments[1]
     space[plan.byte_ranges(seg)[1]] = raw_lossless_residual(pair, slots[seg.start : seg.end], seg.residual_nbytes)
     play_prefill(pair, 61, offer, space)
+    assert pair.verdict(61) == (Verdict.READY, None)
     assert pair.receiver.write_kv(61, torch.arange(N_TOKENS))
     expect_k, expect_v = pair.prefill_rows(slots)
     for got, want in zip([*pair.decode_k, *pair.decode_v], [*expect_k, *expect_v], strict=True):
@@ -1349,8 +1376,11 @@ def test_a_corrupt_lossless_residual_fails_the_request(pairs: Callable[..., Pair
     assert offer is not None
     slots = torch.as_tensor(pair.pages(seed=40))
     plan, space = encoded_space(pair, slots, codec)
+    play_prefill(pair, 62, offer, space, extra_residual_nbytes=16 if corrupt == "landed" else 0)
+    assert pair.verdict(62) == (Verdict.READY, None)
     seg = plan.segments[1]
-    residual = space[plan.byte_ranges(seg)[1]]
+    base = offer.anchor_addr - pair.receive_buffer.data_ptr()
+    residual = pair.receive_buffer[base : base + plan.receive_nbytes][plan.byte_ranges(seg)[1]]
     head = residual[: 4 * (1 + 2 * LAYERS)].view(torch.int32)
     expected = {
         "length": r"its head says \d+ bytes, a segment of 256 tokens has room for",
@@ -1364,12 +1394,5 @@ def test_a_corrupt_lossless_residual_fails_the_request(pairs: Callable[..., Pair
         head[4] = head[3]  # part 3 ends where it starts: an empty body
     elif corrupt == "format":
         residual[int(head[1])] = 7  # the first byte of part 1's body
-    play_prefill(pair, 62, offer, space)
-    if corrupt == "landed":  # prefill reports one block more than the segments take
-        pair.receiver.on_notice(forged(NoticeKind.LANDED, 62, offer.nonce, stream=Stream.RESIDUAL, nbytes=1))
-        tracker_bytes = pair.receiver.report(62)
-        assert tracker_bytes is not None
-        state = pair.receiver._rooms[62]
-        state.tracker.landed[Stream.RESIDUAL] += 16
     with pytest.raises(ReceiveIntegrityError, match=expected):
         pair.receiver.write_kv(62, torch.arange(N_TOKENS))

@@ -101,7 +101,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lynx.codec import CodecConfig, KVLayout, residual_nbytes_of, segment_nbytes
+from lynx.codec import CodecConfig, CodecInputError, KVLayout, residual_nbytes_of, segment_nbytes
 from lynx.codec.format import CONFIG_WIRE_NBYTES
 from lynx.mode import Mode
 
@@ -570,12 +570,20 @@ class RequestLayout:
         CodecInputError (from the codec) for a Residual whose count is not a possible one."""
         if not self.residual_is_variable:
             return None
-        return [
-            residual_nbytes_of(space[self.byte_ranges(seg)[1]], seg.end - seg.start, self._layout, self._config)
-            if seg.residual_stream in streams
-            else None
-            for seg in self.segments
-        ]
+        counts: list[int | None] = []
+        for seg in self.segments:
+            if seg.residual_stream not in streams:
+                counts.append(None)
+                continue
+            try:
+                counts.append(
+                    residual_nbytes_of(
+                        space[self.byte_ranges(seg)[1]], seg.end - seg.start, self._layout, self._config
+                    )
+                )
+            except CodecInputError as exc:
+                raise CodecInputError(f"the Residual of tokens [{seg.start}, {seg.end}): {exc}") from exc
+        return counts
 
     def stream_ranges(
         self, stream: Stream, residual_nbytes: Sequence[int] | None = None
