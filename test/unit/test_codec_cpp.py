@@ -100,7 +100,9 @@ def test_cpp_matches_reference_bit_for_bit(case) -> None:
         expect = torch.empty((n, channels), dtype=pool.dtype)
         decode_part(expect_anchor, body if with_residual else None, kind, config, expect)
         out = torch.full_like(pool, 7.0)
-        faults = cpp_backend.decode_parts([PartIO(out, kind, anchor, body if with_residual else None)], slots, config)
+        faults = cpp_backend.decode_parts(
+            [PartIO(out, kind, anchor, body if with_residual else None)], slots, config
+        )
         assert faults == [0]
         assert torch.equal(out[slots].view(torch.uint8), expect.view(torch.uint8))
         assert bool((out[untouched] == 7.0).all())

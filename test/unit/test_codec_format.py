@@ -126,7 +126,10 @@ def test_segment_sizes() -> None:
     # The lossless residual's capacity: its head (length, 60 part ends), then per part a
     # format byte and the raw words, padded to 16 bytes.
     head = 4 * (1 + 60)
-    assert segment_nbytes(layout, 2048, CodecConfig()) == (anchor, -(-(head + 60 * (1 + 2048 * 192 * 2)) // 16) * 16)
+    assert segment_nbytes(layout, 2048, CodecConfig()) == (
+        anchor,
+        -(-(head + 60 * (1 + 2048 * 192 * 2)) // 16) * 16,
+    )
     # 17 tokens: a partial key block; every array padded to 16 bytes.
     anchor, residual = segment_nbytes(layout, 17, CodecConfig(anchor_bits=3, residual="int8"))
     codes = 1232  # 17 * 192 * 3 / 8 = 1224, padded

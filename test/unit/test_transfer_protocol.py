@@ -43,7 +43,7 @@ HANDSHAKE = Handshake("full", CodecConfig(), LAYOUT)
 # Every field away from its default, so that each one is pinned by the golden bytes.
 ODD = Handshake(
     "anchor-only",
-    CodecConfig(anchor_bits=3, group_size=16, residual="exact", key_layout="per_token", key_block=32),
+    CodecConfig(anchor_bits=3, group_size=16, residual="int8", key_layout="per_token", key_block=32),
     KVLayout(28, 4, 128, torch.float16),
     protect_first=4,
     protect_last=300,
@@ -59,7 +59,7 @@ NONCE_LE = "1817161514131211"
 
 
 def test_protocol_version_and_tag_are_pinned() -> None:
-    assert PROTOCOL_VERSION == 3
+    assert PROTOCOL_VERSION == 4
     assert CHECKSUM_BLOCK_WORDS == 1024
     assert TAG == b"LYNX1"
     assert SEGMENT_TOKENS == 256
@@ -67,18 +67,18 @@ def test_protocol_version_and_tag_are_pinned() -> None:
 
 def test_handshake_wire_bytes_are_pinned() -> None:
     assert HANDSHAKE.to_wire().hex() == (
-        "4c584853" "03" "00"  # b"LXHS", protocol v3, mode full
+        "4c584853" "04" "00"  # b"LXHS", protocol v4, mode full
         "00"  # flags: no checksums
         "00000000" "00000000"  # protect_first 0, protect_last 0
-        "4c5843" "01" "04" "2000" "00" "00" "1000"  # b"LXC" v1, 4 bits, group 32, int8, per_channel, 16
-        "4c584c" "01" "0400" "0200" "4000" "00"  # b"LXL" v1, 4 layers, 2 heads, head_dim 64, bf16
+        "4c5843" "02" "04" "2000" "01" "00" "1000"  # b"LXC" v2, 4 bits, group 32, exact, per_channel, 16
+        "4c584c" "02" "0400" "0200" "4000" "00"  # b"LXL" v2, 4 layers, 2 heads, head_dim 64, bf16
     )  # fmt: skip
     assert ODD.to_wire().hex() == (
-        "4c584853" "03" "01"  # anchor-only
+        "4c584853" "04" "01"  # anchor-only
         "01"  # flags: checksums
         "04000000" "2c010000"  # protect_first 4, protect_last 300
-        "4c5843" "01" "03" "1000" "01" "01" "2000"  # 3 bits, group 16, exact, per_token, 32
-        "4c584c" "01" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
+        "4c5843" "02" "03" "1000" "00" "01" "2000"  # 3 bits, group 16, int8, per_token, 32
+        "4c584c" "02" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
     )  # fmt: skip
     speculative = Handshake("speculative", CodecConfig(), LAYOUT).to_wire()
     assert speculative[5] == 2
@@ -105,7 +105,7 @@ def test_handshake_round_trips(handshake: Handshake) -> None:
         (lambda w: w[:5], "too short"),
         (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
         (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v4"),
-        (lambda w: w[:4] + bytes([2]) + w[5:], "protocol v2, this server v3"),
+        (lambda w: w[:4] + bytes([2]) + w[5:], "protocol v2, this server v4"),
         (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v4"),  # any version's head
         (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
         (lambda w: w[:10], "10 bytes, too short"),  # truncated protection
@@ -167,7 +167,7 @@ def test_protected_counts_must_fit_the_wire(first: int, last: int) -> None:
 
 def test_describe_lists_every_setting() -> None:
     assert ODD.describe() == (
-        "mode=anchor-only anchor_bits=3 group_size=16 residual=exact key_layout=per_token "
+        "mode=anchor-only anchor_bits=3 group_size=16 residual=int8 key_layout=per_token "
         "key_block=32 protect_first=4 protect_last=300 checksums=on kv=[28 layers x 4 heads x 128, float16]"
     )
 
@@ -215,7 +215,7 @@ def test_an_offer_of_another_version_is_named() -> None:
     codec_and_layout = CodecConfig().to_wire() + LAYOUT.to_wire()
     v2_handshake = b"LXHS" + bytes([2, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
     v2_offer = struct.pack("<H", 36) + v2_handshake + struct.pack("<QQQQQ", 64, 128, 192, 256, 10)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v3"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v4"):
         Offer.from_wire(v2_offer)
 
 

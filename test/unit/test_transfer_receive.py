@@ -28,19 +28,19 @@ NONCE = 99  # the tracker is given only notices of its reservation: any nonce do
 S = ReceiveState
 
 
-def local(mode: Mode = "full") -> Handshake:
-    return Handshake(mode, CodecConfig(), LAYOUT, checksums=True)
+def local(mode: Mode = "full", residual: str = "exact") -> Handshake:
+    return Handshake(mode, CodecConfig(residual=residual), LAYOUT, checksums=True)  # type: ignore[arg-type]
 
 
-def plan(mode: Mode = "full") -> RequestLayout:
-    return RequestLayout.of(local(mode), N_TOKENS)
+def plan(mode: Mode = "full", residual: str = "exact") -> RequestLayout:
+    return RequestLayout.of(local(mode, residual), N_TOKENS)
 
 
-def tracker(mode: Mode = "full", *, accepted: bool = True) -> ReceiveTracker:
-    t = ReceiveTracker(room=7, local=local(mode), deadline_s=DEADLINE, plan=plan(mode))
+def tracker(mode: Mode = "full", *, accepted: bool = True, residual: str = "exact") -> ReceiveTracker:
+    t = ReceiveTracker(room=7, local=local(mode, residual), deadline_s=DEADLINE, plan=plan(mode, residual))
     t.offered(now=0.0)
     if accepted:
-        t.on_notice(accept(local(mode)), PEER, now=0.5)
+        t.on_notice(accept(local(mode, residual)), PEER, now=0.5)
     return t
 
 
@@ -55,10 +55,11 @@ def landed(
     text: str = "",
     checksums: tuple[int, ...] | None = None,
     mode: Mode = "full",
+    residual: str = "exact",
 ) -> Notice:
     """A LANDED notice; by default what the request's layout sends on ``stream``, with a
     checksum per segment."""
-    layout = plan(mode)
+    layout = plan(mode, residual)
     return Notice(
         NoticeKind.LANDED,
         7,
@@ -240,12 +241,13 @@ def test_failed_landing_fails_with_the_stream_name(stream: Stream, name: str) ->
 @pytest.mark.parametrize("stream", [Stream.ANCHOR, Stream.RESIDUAL])
 @pytest.mark.parametrize("delta", [-1, 1, None])  # short, long, nothing at all
 def test_a_landing_of_another_byte_count_fails_naming_both(stream: Stream, delta: int | None) -> None:
-    """LANDED completes a stream only with the bytes the request's layout puts on it: a
-    short count (or 0, which once made a request decode stale bytes) fails it."""
-    expected = plan().sent_nbytes()[stream]
+    """LANDED completes a stream of fixed-size segments only with the bytes the request's
+    layout puts on it: a short count (or 0, which once made a request decode stale bytes)
+    fails it."""
+    expected = plan(residual="int8").sent_nbytes()[stream]
     nbytes = 0 if delta is None else expected + delta
-    t = tracker("full")
-    t.on_notice(landed(stream, nbytes), PEER, now=1.0)
+    t = tracker("full", residual="int8")
+    t.on_notice(landed(stream, nbytes, residual="int8"), PEER, now=1.0)
     assert t.state is S.FAILED and t.landed == {}
     name = "Anchor" if stream is Stream.ANCHOR else "Residual"
     assert t.error == (
@@ -253,6 +255,25 @@ def test_a_landing_of_another_byte_count_fails_naming_both(stream: Stream, delta
         f"the request's layout sends {expected}"
     )
     assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.FAIL
+
+
+@pytest.mark.parametrize("delta", [-1000, 0, 1, None])
+def test_a_lossless_residual_lands_with_at_most_its_space(delta: int | None) -> None:
+    """A stream of lossless Residuals sends as many bytes as they coded: any count up to the
+    request's space lands (decode checks each segment's own count as it decodes); more
+    than the space, or nothing, fails."""
+    space = plan().sent_nbytes()[Stream.RESIDUAL]
+    nbytes = 0 if delta is None else space + delta
+    t = tracker("full")
+    t.on_notice(landed(Stream.RESIDUAL, nbytes), PEER, now=1.0)
+    if delta is not None and delta <= 0:
+        assert t.state is S.ACCEPTED and t.landed == {Stream.RESIDUAL: nbytes}
+        return
+    assert t.state is S.FAILED
+    assert t.error == (
+        f"prefill {PEER} reported the Residual landed with {nbytes} bytes, "
+        f"the request's layout sends 1 to {space}"
+    )
 
 
 @pytest.mark.parametrize("checksums", [(), (1,), (1, 2, 3)])

@@ -636,7 +636,10 @@ def test_every_token_protected_sends_the_anchor_stream_alone(pairs: Callable[...
     pair.wait_released(33)
     assert pair.kinds(33) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.RELEASED]
     stats = pair.sender.stats()
-    assert (stats.anchor_bytes, stats.residual_bytes) == (travelled(pair, torch.as_tensor(pages))[Stream.ANCHOR], 0)
+    assert (stats.anchor_bytes, stats.residual_bytes) == (
+        travelled(pair, torch.as_tensor(pages))[Stream.ANCHOR],
+        0,
+    )
     assert stats.anchor_bytes < plan.encoded_nbytes
 
 
@@ -1234,7 +1237,8 @@ def test_corrupt_landed_bytes_fail_before_any_kv_row_is_written(pairs: Callable[
         # a changed byte fails its checksum; random bytes fail the lossless Residual's
         # head first (the range a checksum covers ends where that head says)
         with pytest.raises(
-            ReceiveIntegrityError, match=r"Residual (bytes of tokens \[256, 512\) do not match|of tokens \[256, 512\): corrupt)"
+            ReceiveIntegrityError,
+            match=r"Residual (bytes of tokens \[256, 512\) do not match|of tokens \[256, 512\): corrupt)",
         ):
             pair.receiver.write_kv(50, dst)
         assert all(not k.any() for k in pair.decode_k)  # not one row written
@@ -1357,7 +1361,9 @@ def test_a_raw_lossless_residual_decodes_like_a_coded_one(pairs: Callable[..., P
     slots = torch.as_tensor(pair.pages(seed=39))
     plan, space = encoded_space(pair, slots, codec)
     seg = plan.segments[1]
-    space[plan.byte_ranges(seg)[1]] = raw_lossless_residual(pair, slots[seg.start : seg.end], seg.residual_nbytes)
+    space[plan.byte_ranges(seg)[1]] = raw_lossless_residual(
+        pair, slots[seg.start : seg.end], seg.residual_nbytes
+    )
     play_prefill(pair, 61, offer, space)
     assert pair.verdict(61) == (Verdict.READY, None)
     assert pair.receiver.write_kv(61, torch.arange(N_TOKENS))

@@ -122,7 +122,9 @@ def decode_rows(
         triton_kernels.decode_rows(anchor, residual, rows, slots, kind, config, layout)
         return
     if rows.device.type == "cpu" and _use_cpp(rows):
-        _raise_residual_faults(cpp_backend.decode_parts([PartIO(rows, kind, anchor, residual)], slots, config))
+        _raise_residual_faults(
+            cpp_backend.decode_parts([PartIO(rows, kind, anchor, residual)], slots, config)
+        )
         return
     if slots is None and rows.device.type == "cpu":
         reference.decode_part(anchor, residual, kind, config, rows)
@@ -207,7 +209,13 @@ def decode_parts(
         try:
             decoded.append(
                 _decoded_part(
-                    part.anchor, part.residual, slots.numel(), part.rows.shape[1], part.rows.dtype, part.kind, config
+                    part.anchor,
+                    part.residual,
+                    slots.numel(),
+                    part.rows.shape[1],
+                    part.rows.dtype,
+                    part.kind,
+                    config,
                 )
             )
         except CodecInputError as exc:

@@ -218,12 +218,16 @@ def _is_complete(lengths: list[int]) -> bool:
     used = [n for n in lengths if n]
     if len(used) == 1:
         return used[0] == 1
-    return bool(used) and all(n <= MAX_CODE_BITS for n in used) and (
-        sum(1 << (MAX_CODE_BITS - n) for n in used) == 1 << MAX_CODE_BITS
+    return (
+        bool(used)
+        and all(n <= MAX_CODE_BITS for n in used)
+        and (sum(1 << (MAX_CODE_BITS - n) for n in used) == 1 << MAX_CODE_BITS)
     )
 
 
-def encode_body(words: torch.Tensor, anchor_words: torch.Tensor, scale_words: torch.Tensor, dtype: torch.dtype) -> bytes:
+def encode_body(
+    words: torch.Tensor, anchor_words: torch.Tensor, scale_words: torch.Tensor, dtype: torch.dtype
+) -> bytes:
     """The body of one part: ``words`` (the original values), ``anchor_words`` (their
     Anchor-only reconstruction) and ``scale_words`` (each value's group scale), all
     non-negative int64 in element order."""
@@ -246,7 +250,9 @@ def encode_body(words: torch.Tensor, anchor_words: torch.Tensor, scale_words: to
         header[1] += 1
         table = code_lengths(row)
         header.append(context)
-        header += bytes(table[j] | (table[j + 1] << 4 if j + 1 < fmt.symbols else 0) for j in range(0, fmt.symbols, 2))
+        header += bytes(
+            table[j] | (table[j + 1] << 4 if j + 1 < fmt.symbols else 0) for j in range(0, fmt.symbols, 2)
+        )
         single = sum(1 for n in table if n) == 1
         lengths[context] = torch.tensor([0 if single else n for n in table])
         codes[context] = torch.tensor(canonical_codes(table))
@@ -262,7 +268,9 @@ def _raw_bytes(words: torch.Tensor, fmt: WordFormat) -> bytes:
     return words.numpy().astype(f"<u{fmt.word_nbytes}").tobytes()
 
 
-def _pack_lsb_first(codes: torch.Tensor, code_len: torch.Tensor, raw: torch.Tensor, raw_len: torch.Tensor) -> bytes:
+def _pack_lsb_first(
+    codes: torch.Tensor, code_len: torch.Tensor, raw: torch.Tensor, raw_len: torch.Tensor
+) -> bytes:
     """Concatenate (code, raw) bit fields of every value, LSB-first."""
     fields = np.stack([codes.numpy(), raw.numpy()], axis=1).reshape(-1).astype(np.uint64)
     widths = np.stack([code_len.numpy(), raw_len.numpy()], axis=1).reshape(-1).astype(np.int64)
@@ -327,7 +335,9 @@ def _read_tables(data: bytes, fmt: WordFormat) -> tuple[dict[int, list[int]], in
     return tables, at
 
 
-def _decode_coded(data: bytes, anchor_words: torch.Tensor, scale_words: torch.Tensor, fmt: WordFormat) -> torch.Tensor:
+def _decode_coded(
+    data: bytes, anchor_words: torch.Tensor, scale_words: torch.Tensor, fmt: WordFormat
+) -> torch.Tensor:
     tables, at = _read_tables(data, fmt)
     decoders: dict[int, dict[tuple[int, int], int] | int] = {}
     for context, lengths in tables.items():

@@ -185,7 +185,9 @@ def _residual_head(
             f"corrupt lossless residual: its head says {used} bytes, a segment of {n_tokens} tokens "
             f"has room for {capacity} (a multiple of {ALIGN} above {head})"
         )
-    limits = [part_layout(n_tokens, layout.channels, kind, config, layout.dtype).residual_nbytes for kind in _KINDS]
+    limits = [
+        part_layout(n_tokens, layout.channels, kind, config, layout.dtype).residual_nbytes for kind in _KINDS
+    ]
     start = head
     for index, end in enumerate(ends):
         if not start < end <= min(used, start + limits[index % 2]):

@@ -168,7 +168,9 @@ def encode_part(
     return len(body)
 
 
-def value_scales(scales: torch.Tensor, n: int, channels: int, kind: Kind, config: CodecConfig) -> torch.Tensor:
+def value_scales(
+    scales: torch.Tensor, n: int, channels: int, kind: Kind, config: CodecConfig
+) -> torch.Tensor:
     """Each value's group scale, as an (n, C) tensor in element order."""
     if kind == "value" or config.key_layout == "per_token":
         return scales.repeat_interleave(config.group_size).view(n, channels)

@@ -44,7 +44,6 @@ from lynx.transfer.protocol import (
     Offer,
     ProtocolError,
     RequestLayout,
-    Segment,
     Stream,
     append_offer,
     checksum_values,
