@@ -82,23 +82,22 @@ CONFIGS = {
     for c in (
         Config("bf16"),
         Config("fp8", ("--kv-cache-dtype", "fp8_e4m3")),
-        Config("lynx-full", ("--lynx",)),
+        Config("lynx-full", ("--lynx",)),  # the default residual: lossless
+        Config("lynx-full-int8", ("--lynx", "--lynx-residual", "int8")),
         Config("lynx-anchor-only", ("--lynx", "--lynx-mode", "anchor-only")),
         Config("lynx-speculative", ("--lynx", "--lynx-mode", "speculative")),
+        Config("lynx-speculative-int8", ("--lynx", "--lynx-mode", "speculative", "--lynx-residual", "int8")),
         Config(
             "lynx-speculative-tol",
-            ("--lynx", "--lynx-mode", "speculative"),
+            ("--lynx", "--lynx-mode", "speculative", "--lynx-residual", "int8"),
             ("--lynx-verify-tolerance", str(TOLERANCE)),
-        ),
-        Config(
-            "lynx-speculative-exact", ("--lynx", "--lynx-mode", "speculative", "--lynx-residual", "exact")
         ),
         Config("lynx-speculative-2bit", ("--lynx", "--lynx-mode", "speculative", "--lynx-anchor-bits", "2")),
         Config("lynx-speculative-3bit", ("--lynx", "--lynx-mode", "speculative", "--lynx-anchor-bits", "3")),
     )
 }
 # Which configurations each measurement runs on (a subset of --configs).
-LOAD_CONFIGS = ("bf16", "lynx-full", "lynx-speculative")
+LOAD_CONFIGS = ("bf16", "lynx-full", "lynx-full-int8", "lynx-speculative")
 BITS_CONFIGS = {"lynx-speculative-2bit": 2, "lynx-speculative-3bit": 3, "lynx-speculative": 4}
 FULL = {
     "models": ["smollm2", "qwen2.5-coder-0.5b"],
@@ -113,7 +112,7 @@ FULL = {
 }
 QUICK = {
     "models": ["smollm2"],
-    "configs": ["bf16", "fp8", "lynx-full", "lynx-anchor-only", "lynx-speculative"],
+    "configs": ["bf16", "fp8", "lynx-full", "lynx-full-int8", "lynx-anchor-only", "lynx-speculative"],
     "links": ["20mbit"],
     "contexts": [2048],
     "prompts": 2,

@@ -51,7 +51,7 @@ HOLD_S = 1.5
 DEADLINE_S = 6.0
 CAP = 8
 COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
-SPEC = [
+SPEC_EXACT = [  # the default residual: lossless
     "--lynx",
     "--lynx-mode",
     "speculative",
@@ -64,11 +64,19 @@ SPEC = [
     "--lynx-residual-hold",
     str(HOLD_S),
 ]
-SPEC_EXACT = [*SPEC, "--lynx-residual", "exact"]
+SPEC = [*SPEC_EXACT, "--lynx-residual", "int8"]
 # Protected tokens (key blocks of 16): a short prompt is covered whole, a long one keeps
 # its first 16 and last 32 tokens exact on the Anchor lane.
 SPEC_PROTECTED = [*SPEC, "--lynx-protect-first", "16", "--lynx-protect-last", "32"]
-FULL_INT8 = ["--lynx", "--lynx-anchor-bits", "2", "--lynx-transfer-deadline", str(DEADLINE_S)]
+FULL_INT8 = [
+    "--lynx",
+    "--lynx-anchor-bits",
+    "2",
+    "--lynx-residual",
+    "int8",
+    "--lynx-transfer-deadline",
+    str(DEADLINE_S),
+]
 CHECKS = {"SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 PROMPTS = [
     "Hello",
