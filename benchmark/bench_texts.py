@@ -55,13 +55,33 @@ def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bfloat16", "float32"],
+        choices=["auto", "bfloat16", "float32", PROXY_DTYPE],
         help="SGLang's --dtype; float32 where the CPU has no fast BF16 (no AVX-512): "
         "20x faster there, with fewer exact logit ties than BF16",
     )
     return parser
 
 
+PROXY_DTYPE = "float32+bf16kv"
+"""FP32 arithmetic over a BF16 KV pool: the bytes, and so the transfer, of a BF16 deployment
+on a host whose BF16 matrix products are slow (no avx512_bf16 or AMX)."""
+
+
+def fast_bf16() -> bool:
+    """Whether this host multiplies BF16 matrices fast: a GPU, or a CPU with avx512_bf16/AMX."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def dtype_args(dtype: str) -> list[str]:
     """The server flags for ``--dtype``."""
+    if dtype == PROXY_DTYPE:
+        return ["--dtype", "float32", "--kv-cache-dtype", "bf16"]
     return [] if dtype == "auto" else ["--dtype", dtype]

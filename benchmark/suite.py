@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_texts import fetch_texts
+from bench_texts import PROXY_DTYPE, fast_bf16, fetch_texts
 from pd_transfer import TEXTS, Pair, agreement_of, bf16_bytes_per_token, prompts_from
 from transformers import AutoTokenizer
 
@@ -217,7 +217,7 @@ def run_config(
 ) -> ConfigResult:
     result = ConfigResult(config.name)
     pair_args = argparse.Namespace(
-        model=model, chunk=2048, dtype="auto", max_total_tokens=plan["max_total_tokens"], link="netns"
+        model=model, chunk=2048, dtype=plan["dtype"], max_total_tokens=plan["max_total_tokens"], link="netns"
     )
     pair = Pair(config.name, list(config.flags), pair_args, log_dir, decode_flags=list(config.decode_flags))
     try:
@@ -374,7 +374,11 @@ def ratio(value: float | None, base: float | None) -> str:
 def print_tables(summary: dict[str, Any], plan: dict[str, Any]) -> None:
     rows = {r["config"]: r for r in summary["rows"]}
     base = rows.get("bf16", {}).get("points", {})
-    print(f"\n## {summary['model']}: latency (median of {plan['prompts']} prompts; ratio to plain BF16 PD)")
+    arithmetic = plan.get("dtype", "bfloat16")  # runs before the option were BF16
+    print(
+        f"\n## {summary['model']}: latency (median of {plan['prompts']} prompts; ratio to plain BF16 PD; "
+        f"arithmetic {arithmetic})"
+    )
     for link in plan["links"]:
         for context in plan["contexts"]:
             key = f"{link}/{context}"
@@ -581,6 +585,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-total-tokens", type=int, default=40960)
     parser.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", PROXY_DTYPE],
+        default="auto",
+        help=f"the servers' arithmetic: bfloat16 (the model's), or {PROXY_DTYPE} (FP32 arithmetic, "
+        "BF16 KV: a BF16 deployment's bytes where BF16 is slow; not its acceptance or outputs); "
+        "auto: bfloat16 where the host has fast BF16, else the proxy",
+    )
+    parser.add_argument(
         "--data", type=Path, default=Path("/tmp/lynxdata"), help="the texts (fetched if missing)"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/suite")
@@ -610,6 +622,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "bf16" not in args.configs:
         parser.error("--configs must include bf16: every figure is compared with plain BF16 PD")
     args.configs = [c for c in CONFIGS if c in args.configs]  # bf16 first: the reference
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if fast_bf16() else PROXY_DTYPE
     return args
 
 
