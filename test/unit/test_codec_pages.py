@@ -12,6 +12,7 @@ from lynx.codec import (
     encode,
     encode_pages,
     kv_layout_of,
+    residual_nbytes_of,
     segment_nbytes,
 )
 from lynx.codec.format import part_layout
@@ -87,6 +88,35 @@ def test_segment_round_trip_into_other_slots(config: CodecConfig, dtype: torch.d
             assert torch.equal(out[layer][dst], full)
             if config.residual == "exact":
                 assert torch.equal(out[layer][dst], part)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_segment_residual_holds_its_parts_bodies_and_only_those_bytes_travel(config: CodecConfig) -> None:
+    """A lossless segment Residual: its head's length and part ends, each body the tensor
+    API's Residual of that part, zeros after them; the count is what residual_nbytes_of reads.
+    Without a Residual buffer the Anchor is the same and nothing is coded."""
+    k, v = _pool()
+    src = torch.tensor([5, 9, 2, 40, 41, 42, 7, 63, 0, 11, 12, 13, 30, 31, 32, 33, 34], dtype=torch.int64)
+    layout = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
+    _, anchor, residual = _staging(src.numel(), config)
+    used = encode_pages(k, v, src, config, anchor, residual)
+    assert residual_nbytes_of(residual, src.numel(), layout, config) == used
+    if not config.residual_is_variable:
+        assert used == residual.numel()
+    else:
+        head = residual[: 4 * (1 + 2 * LAYERS)].view(torch.int32).tolist()
+        assert head[0] == used and used % 16 == 0 and used < residual.numel()
+        start = 4 * (1 + 2 * LAYERS)
+        for index, end in enumerate(head[1:]):
+            layer, kind = divmod(index, 2)
+            pool = (k, v)[kind]
+            body = encode(pool[layer][src], config, kind=("key", "value")[kind]).residual
+            assert torch.equal(residual[start:end], body)
+            start = end
+        assert not residual[start:].any()
+    alone = anchor.clone().fill_(0xAB)
+    assert encode_pages(k, v, src, config, alone, None) == 0
+    assert torch.equal(alone, anchor)
 
 
 def test_segments_of_one_request_start_key_blocks_at_their_first_token() -> None:
@@ -179,3 +209,26 @@ def test_empty_segment_is_a_no_op() -> None:
     anchor = torch.empty(0, dtype=torch.uint8)
     encode_pages(k, v, empty, CodecConfig(), anchor, anchor)
     decode_pages(anchor, anchor, k, v, empty, CodecConfig())
+
+
+def test_a_device_pools_lossless_residual_is_coded_and_decoded_on_the_host() -> None:
+    """What a CUDA pool's part takes (there is no device coder yet): the host codes the
+    gathered rows and decodes into a host part that is copied back; run here on host
+    tensors, it writes the reference's bytes and the rows bit for bit."""
+    from lynx.codec import backend, reference
+
+    config = CodecConfig()
+    k, _ = _pool()
+    slots = torch.tensor([4, 17, 9, 1, 0, 33], dtype=torch.int64)
+    layout = part_layout(slots.numel(), HEADS * HEAD_DIM, "key", config, torch.bfloat16)
+    rows = k[0].view(ROWS, -1)
+    expect_anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
+    expect_residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
+    used = reference.encode_part(rows[slots], "key", config, expect_anchor, expect_residual)
+    residual = torch.full_like(expect_residual, 0x5A)
+    assert backend._encode_lossless_on_host(rows, slots, "key", config, expect_anchor, residual) == used
+    assert torch.equal(residual, expect_residual)
+    part = backend._decoded_part(
+        expect_anchor, residual[:used], slots.numel(), rows.shape[1], rows.dtype, "key", config
+    )
+    assert torch.equal(part.view(torch.int16), rows[slots].view(torch.int16))

@@ -9,6 +9,7 @@ gives, and decoded straight back into the pool rows. The byte layout is in forma
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -118,14 +119,24 @@ def encode_pages(
     slots: torch.Tensor,
     config: CodecConfig,
     anchor_out: torch.Tensor,
-    residual_out: torch.Tensor,
+    residual_out: torch.Tensor | None,
 ) -> int:
     """Encode the segment ``slots`` (all layers, K and V) into the two byte buffers;
     returns how many bytes of ``residual_out`` the Residual takes (all of them unless
-    ``config.residual_is_variable``; the rest is zero) and so travel.
+    ``config.residual_is_variable``; the rest is zero) and so travel. ``residual_out``
+    None: the Anchor alone, for a Residual that will not travel (returns 0).
 
     Raises CodecInputError, naming layer, kind, token and slot, on a non-finite value.
     """
+    if residual_out is None:  # every residual mode has the same Anchor: the cheapest codes it
+        anchor_only = dataclasses.replace(config, residual="int8")
+        scratch = torch.empty(
+            segment_nbytes(kv_layout_of(k_buffers, v_buffers), slots.numel(), anchor_only)[1],
+            dtype=torch.uint8,
+            device=anchor_out.device,
+        )
+        encode_pages(k_buffers, v_buffers, slots, anchor_only, anchor_out, scratch)
+        return 0
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor_out, residual_out)
     if not slots.numel():
         return 0  # an empty segment: both halves are empty

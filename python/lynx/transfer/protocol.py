@@ -404,8 +404,8 @@ class RequestLayout:
     the same on both sides.
 
     A request's space (prefill's send buffer, decode's receive space) is its Anchor
-    region followed by its Residual region. Both regions are laid out (prefill encodes
-    every Residual whatever the mode), but only :attr:`streams` travel:
+    region followed by its Residual region. Both regions are laid out in every mode (prefill
+    codes only the Residuals that travel), but only :attr:`streams` travel:
     ``sent_residual_nbytes`` is 0 when no Residual stream travels (anchor-only mode, or
     every token protected), and decode reserves only :attr:`receive_nbytes`.
 

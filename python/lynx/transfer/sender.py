@@ -418,15 +418,16 @@ class ProgressiveSender:
             try:
                 for seg in ready:
                     anchor, residual = plan.byte_ranges(seg)
+                    travels = seg.protected or Stream.RESIDUAL in plan.streams
                     residual_nbytes = encode_pages(
                         self._k,
                         self._v,
                         all_slots[seg.start : seg.end],
                         self.handshake.codec,
                         space[anchor],
-                        space[residual],
+                        space[residual] if travels else None,  # anchor-only: no Residual to code
                     )
-                    sent.append(plan.sent_ranges(seg, residual_nbytes))
+                    sent.append(plan.sent_ranges(seg, residual_nbytes if travels else None))
                     for stream, span in sent[-1]:
                         dst = regions[stream] + span.start - plan.region_offset(stream)
                         writes[stream].append((space.data_ptr() + span.start, dst, span.stop - span.start))
