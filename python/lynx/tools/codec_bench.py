@@ -23,11 +23,11 @@ from lynx.codec import CodecConfig, KVLayout, decode_pages, encode_pages, segmen
 from lynx.codec.backend import BACKEND_ENV
 
 MODES = {
-    "b4 keys/ch16 int8 (default)": CodecConfig(),
-    "b3 keys/ch16 int8": CodecConfig(anchor_bits=3),
-    "b2 keys/ch16 int8": CodecConfig(anchor_bits=2),
-    "b4 keys/ch16 exact": CodecConfig(residual="exact"),
-    "b4 per-token g32 int8": CodecConfig(key_layout="per_token"),
+    "b4 keys/ch16 lossless (default)": CodecConfig(),
+    "b4 keys/ch16 int8": CodecConfig(residual="int8"),
+    "b3 keys/ch16 int8": CodecConfig(anchor_bits=3, residual="int8"),
+    "b2 keys/ch16 int8": CodecConfig(anchor_bits=2, residual="int8"),
+    "b4 per-token g32 int8": CodecConfig(key_layout="per_token", residual="int8"),
 }
 
 # SmolLM2-135M's KV pool: 30 layers x 3 KV heads x 64, bf16.
