@@ -352,51 +352,181 @@ int64_t encode_lossless_part(const EncodeJob<D>& job, LosslessScratch<D>& s) {
   return coded;
 }
 
-// Decode one part's lossless body into out (element order); a ResidualFault.
+// One part's decode between its phases: begin (tables, contexts), the serial loop (one
+// table lookup per value, two parts interleaved so that their dependency chains overlap),
+// end (trailing bits, words, range and non-finite checks).
 template <typename D>
-int64_t decode_lossless_part(const Part& p, const uint8_t* anchor, const uint8_t* body, int64_t length,
-                             typename D::Word* out, LosslessScratch<D>& s) {
+struct PartDecode {
+  using L = Lossless<D>;
+  using Z = typename LosslessScratch<D>::Z;
+  int64_t fault = kFaultNone;
+  bool coded = false;            // false: done in begin (a raw body, or a fault)
+  int64_t values = 0, limit = 0;  // limit: the first value whose context has no table
+  int64_t total_bits = 0, pos = 0, done = 0;  // done: values decoded
+  const uint8_t* stream = nullptr;
+  const uint8_t* context = nullptr;
+  Z* z = nullptr;
+  // per context: its table and index width (its longest code; 0: a single symbol)
+  const uint32_t* table[L::kSymbols];
+  uint32_t width[L::kSymbols];
+};
+
+// Stream slack: the serial loop checks the position every kChunk values.
+constexpr int64_t kChunk = 64;
+
+template <typename D>
+inline uint64_t peek_bits(const uint8_t* stream, int64_t pos) {
+  uint64_t word;
+  std::memcpy(&word, stream + (pos >> 3), 8);
+  return word >> (pos & 7);  // >= 57 valid bits
+}
+
+// Decode value i of a part from bits (its first bit first); the value's bit count.
+template <typename D>
+inline uint32_t decode_one(const PartDecode<D>& d, int64_t i, uint64_t bits) {
+  using Z = typename PartDecode<D>::Z;
+  const int ctx = d.context[i];
+  const uint32_t* t = d.table[ctx];
+  const uint32_t e = t[_bzhi_u64(bits, d.width[ctx])];
+  const uint32_t n_raw = (e >> 16) & 0xFF;
+  d.z[i] = static_cast<Z>((static_cast<uint64_t>(e >> 24) << n_raw) | _bzhi_u64(bits >> ((e >> 8) & 0xF), n_raw));
+  return e & 63;
+}
+
+// Values [i, end) of one part from position pos; the new position.
+template <typename D>
+inline int64_t decode_run(const PartDecode<D>& d, int64_t i, int64_t end, int64_t pos) {
+  using L = Lossless<D>;
+  if constexpr (2 * L::kMaxValueBits <= 57) {
+    for (; i + 2 <= end; i += 2) {  // two values per 57 peeked bits
+      const uint64_t bits = peek_bits<D>(d.stream, pos);
+      const uint32_t n0 = decode_one(d, i, bits);
+      const int64_t next = pos + n0;
+      pos = next + decode_one(d, i + 1, bits >> n0);
+    }
+  }
+  for (; i < end; ++i) pos += decode_one(d, i, peek_bits<D>(d.stream, pos));
+  return pos;
+}
+
+// The serial loop of one part, from value d.done on.
+template <typename D>
+void decode_serial(PartDecode<D>& d) {
+  int64_t pos = d.pos;
+  for (int64_t first = d.done; first < d.limit; first += kChunk) {
+    pos = decode_run(d, first, std::min(first + kChunk, d.limit), pos);
+    if (pos > d.total_bits) {  // the stream ends early
+      d.fault = kFaultLength;
+      return;
+    }
+  }
+  d.pos = pos;
+  d.done = d.limit;
+}
+
+// Two parts' serial loops interleaved (independent chains), then each one's rest alone.
+template <typename D>
+void decode_serial2(PartDecode<D>& a, PartDecode<D>& b) {
+  using L = Lossless<D>;
+  const int64_t common = std::min(a.limit, b.limit) / kChunk * kChunk;
+  int64_t pa = a.pos, pb = b.pos, first = 0;
+  for (; first < common; first += kChunk) {
+    const int64_t start_a = pa, start_b = pb;
+    int64_t i = first;
+    if constexpr (2 * L::kMaxValueBits <= 57) {
+      for (; i < first + kChunk; i += 2) {
+        const uint64_t bits_a = peek_bits<D>(a.stream, pa);
+        const uint64_t bits_b = peek_bits<D>(b.stream, pb);
+        const uint32_t na = decode_one(a, i, bits_a);
+        const uint32_t nb = decode_one(b, i, bits_b);
+        const int64_t next_a = pa + na, next_b = pb + nb;
+        pa = next_a + decode_one(a, i + 1, bits_a >> na);
+        pb = next_b + decode_one(b, i + 1, bits_b >> nb);
+      }
+    } else {
+      for (; i < first + kChunk; ++i) {
+        const uint64_t bits_a = peek_bits<D>(a.stream, pa);
+        const uint64_t bits_b = peek_bits<D>(b.stream, pb);
+        pa += decode_one(a, i, bits_a);
+        pb += decode_one(b, i, bits_b);
+      }
+    }
+    if (pa > a.total_bits || pb > b.total_bits) {  // an early end: both redo this chunk alone
+      pa = start_a, pb = start_b;
+      break;
+    }
+  }
+  a.pos = pa, b.pos = pb, a.done = b.done = first;
+  decode_serial(a);
+  decode_serial(b);
+}
+
+// Phase 1 of one part's lossless body: a raw body whole, else its tables, each value's
+// context and the stream (into s); d.fault a ResidualFault.
+template <typename D>
+void decode_begin(const Part& p, const uint8_t* anchor, const uint8_t* body, int64_t length, typename D::Word* out,
+                  LosslessScratch<D>& s, PartDecode<D>& d) {
   using L = Lossless<D>;
   using Word = typename D::Word;
-  using Z = typename LosslessScratch<D>::Z;
   const int64_t C = p.channels, values = p.n * C;
-  if (length < 1) return kFaultLength;
+  d = PartDecode<D>{};
+  d.values = values;
+  if (length < 1) {
+    d.fault = kFaultLength;
+    return;
+  }
   if (body[0] == kRawBody) {
-    if (length != 1 + values * static_cast<int64_t>(sizeof(Word))) return kFaultLength;
+    if (length != 1 + values * static_cast<int64_t>(sizeof(Word))) {
+      d.fault = kFaultLength;
+      return;
+    }
     std::memcpy(out, body + 1, values * sizeof(Word));
     bool non_finite = false;
     for (int64_t i = 0; i < values; ++i) non_finite |= D::non_finite(out[i]);
-    return non_finite ? kFaultNonFinite : kFaultNone;
+    d.fault = non_finite ? kFaultNonFinite : kFaultNone;
+    return;
   }
-  if (body[0] != kCodedBody) return kFaultFormat;
-  if (length < 2) return kFaultLength;
+  if (body[0] != kCodedBody) {
+    d.fault = kFaultFormat;
+    return;
+  }
+  if (length < 2) {
+    d.fault = kFaultLength;
+    return;
+  }
   const int count = body[1];
   int64_t at = 2;
-  // Per context its table: offset into s.table and index width (its longest code; 0 for a
-  // single symbol, coded in zero bits). Entry: code and raw bits (bits 0-5), code bits
-  // (8-11), raw bits (16-21), bit 24: whether z has a leading bit (symbol > 0). Entry 0 is
-  // a stand-in for contexts without a table (values never decoded with it).
-  uint32_t context_table[L::kSymbols];
+  // Per context its table (offset into s.table; 2^width entries). Entry: code and raw bits
+  // (bits 0-5), code bits (8-11), raw bits (16-21), bit 24: whether z has a leading bit
+  // (symbol > 0). Entry 0 stands in for contexts without a table (never looked up).
+  uint32_t offset[L::kSymbols];
   uint64_t has_table = 0;  // bit per context (fp32: 34 of them)
   uint32_t table_size = 1;
   uint8_t lens[L::kSymbols][L::kSymbols];
-  int widths[L::kSymbols];
   int previous = -1;
   for (int k = 0; k < count; ++k) {
-    if (at + L::kTableBytes > length) return kFaultLength;
+    if (at + L::kTableBytes > length) {
+      d.fault = kFaultLength;
+      return;
+    }
     const int ctx = body[at];
-    if (ctx <= previous || ctx >= L::kSymbols) return kFaultTables;
-    uint8_t* len = lens[ctx];
+    uint8_t* len = lens[ctx < L::kSymbols ? ctx : 0];
+    if (ctx <= previous || ctx >= L::kSymbols) {
+      d.fault = kFaultTables;
+      return;
+    }
     for (int sym = 0; sym < L::kSymbols; ++sym) len[sym] = (body[at + 1 + sym / 2] >> (4 * (sym % 2))) & 0xF;
-    if ((L::kSymbols % 2) && (body[at + L::kTableBytes - 1] >> 4)) return kFaultTables;
-    if (!complete_code(len, L::kSymbols)) return kFaultTables;
+    if (((L::kSymbols % 2) && (body[at + L::kTableBytes - 1] >> 4)) || !complete_code(len, L::kSymbols)) {
+      d.fault = kFaultTables;
+      return;
+    }
     int used = 0, longest = 0;
     for (int sym = 0; sym < L::kSymbols; ++sym)
       if (len[sym]) ++used, longest = std::max<int>(longest, len[sym]);
-    widths[ctx] = used == 1 ? 0 : longest;
+    d.width[ctx] = used == 1 ? 0 : longest;
     has_table |= uint64_t{1} << ctx;
-    context_table[ctx] = table_size;
-    table_size += 1u << widths[ctx];
+    offset[ctx] = table_size;
+    table_size += 1u << d.width[ctx];
     previous = ctx;
     at += L::kTableBytes;
   }
@@ -405,12 +535,14 @@ int64_t decode_lossless_part(const Part& p, const uint8_t* anchor, const uint8_t
   table[0] = 0;
   for (int ctx = 0; ctx < L::kSymbols; ++ctx) {
     if (!(has_table >> ctx & 1)) {
-      context_table[ctx] = 0;
+      d.table[ctx] = table;
+      d.width[ctx] = 0;
       continue;
     }
     const uint8_t* len = lens[ctx];
-    uint32_t* t = table + context_table[ctx];
-    const int width = widths[ctx];
+    uint32_t* t = table + offset[ctx];
+    d.table[ctx] = t;
+    const int width = d.width[ctx];
     uint16_t code[L::kSymbols];
     canonical_codes(len, L::kSymbols, code);
     for (int sym = 0; sym < L::kSymbols; ++sym) {
@@ -423,103 +555,108 @@ int64_t decode_lossless_part(const Part& p, const uint8_t* anchor, const uint8_t
       }
       for (uint32_t high = 0; high < (1u << (width - len[sym])); ++high) t[code[sym] | (high << len[sym])] = entry;
     }
-    context_table[ctx] |= static_cast<uint32_t>(width) << 24;
   }
   // each value's context, and the first value whose context has no table
   anchor_values<D>(p, anchor, s);
   L::scale_exponents(p, anchor, s.scale_exponent);
-  grow(s.context, values + 16);
+  grow(s.context, values + 32);
   int64_t limit = values;
-  {
-    const int shift = L::channel_shift(p);
-    const Word* a_all = s.anchor.data();
-    for (int64_t t = 0; t < p.n && limit == values; ++t) {
-      const Word* a = a_all + t * C;
-      const uint8_t* row_exponent = L::row_exponents(p, s.scale_exponent, t);
-      uint8_t* context = s.context.data() + t * C;
+  const int shift = L::channel_shift(p);
+  for (int64_t t = 0; t < p.n && limit == values; ++t) {
+    const Word* a = s.anchor.data() + t * C;
+    const uint8_t* row_exponent = L::row_exponents(p, s.scale_exponent, t);
+    uint8_t* context = s.context.data() + t * C;
+    if constexpr (sizeof(Word) == 2) {
+      const __m256i has_lo = _mm256_set1_epi32(static_cast<int32_t>(has_table));
+      for (int64_t c = 0; c < C; c += 8) {
+        const __m256i ctx = L::contexts8(L::load_words8(a + c), p, row_exponent, c, shift);
+        const __m128i bytes = narrow16(ctx);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(context + c), _mm_packus_epi16(bytes, bytes));
+        const __m256i has = _mm256_slli_epi32(_mm256_srlv_epi32(has_lo, ctx), 31);  // kSymbols <= 32
+        const uint32_t missing = ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(has))) & 0xFF;
+        if (missing) {
+          limit = t * C + c + __builtin_ctz(missing);
+          break;
+        }
+      }
+    } else {
       for (int64_t c = 0; c < C; ++c) {
         const int ctx = L::context(row_exponent[c >> shift], a[c]);
         context[c] = static_cast<uint8_t>(ctx);
-        if (!(has_table >> ctx & 1) && limit == values) limit = t * C + c;
+        if (!(has_table >> ctx & 1)) {
+          limit = t * C + c;
+          break;
+        }
       }
     }
   }
-  // the serial part: one table lookup per value
   const int64_t stream_bytes = length - at;
-  constexpr int64_t kChunk = 64;  // values between checks of the position (stream slack)
   const int64_t slack = kChunk * L::kMaxValueBits / 8 + 16;
   grow(s.stream, stream_bytes + slack);
   std::memcpy(s.stream.data(), body + at, stream_bytes);
   std::memset(s.stream.data() + stream_bytes, 0, slack);
-  const int64_t total_bits = 8 * stream_bytes;
-  const uint8_t* stream = s.stream.data();
   grow(s.z, values + 16);
-  Z* zs = s.z.data();
-  const uint8_t* context = s.context.data();
-  auto peek = [&](int64_t pos) {
-    uint64_t word;
-    std::memcpy(&word, stream + (pos >> 3), 8);
-    return word >> (pos & 7);  // >= 57 valid bits
-  };
-  auto one = [&](int64_t i, uint64_t bits) -> uint32_t {  // decode value i from bits; its bit count
-    const uint32_t sel = context_table[context[i]];
-    const uint32_t e = table[(sel & 0xFFFFFF) + _bzhi_u64(bits, sel >> 24)];
-    const uint32_t n_raw = (e >> 16) & 0xFF;
-    zs[i] = static_cast<Z>((static_cast<uint64_t>(e >> 24) << n_raw) | _bzhi_u64(bits >> ((e >> 8) & 0xF), n_raw));
-    return e & 63;
-  };
-  int64_t pos = 0;
-  for (int64_t first = 0; first < limit; first += kChunk) {
-    const int64_t end = std::min(first + kChunk, limit);
-    int64_t i = first;
-    if constexpr (2 * L::kMaxValueBits <= 57) {
-      for (; i + 2 <= end; i += 2) {  // two values per 57 peeked bits
-        const uint64_t bits = peek(pos);
-        const uint32_t n0 = one(i, bits);
-        const uint32_t n1 = one(i + 1, bits >> n0);
-        pos += n0 + n1;
-      }
-    }
-    for (; i < end; ++i) pos += one(i, peek(pos));
-    if (pos > total_bits) return kFaultLength;  // the stream ends early
+  d.coded = true;
+  d.limit = limit;
+  d.total_bits = 8 * stream_bytes;
+  d.stream = s.stream.data();
+  d.context = s.context.data();
+  d.z = s.z.data();
+}
+
+// Phase 3: after the serial loop, the trailing bits, then the words (ordinal of the
+// Anchor-only word + d; out of range, then non-finite, refused); d.fault.
+template <typename D>
+void decode_end(const LosslessScratch<D>& s, typename D::Word* out, PartDecode<D>& d) {
+  using L = Lossless<D>;
+  using Word = typename D::Word;
+  if (!d.coded || d.fault) return;
+  const int64_t values = d.values, pos = d.pos, total_bits = d.total_bits;
+  if (d.limit < values) {
+    d.fault = kFaultNoTable;
+    return;
   }
-  if (limit < values) return kFaultNoTable;
-  if (total_bits - pos >= 8) return kFaultLength;
-  if (pos < total_bits && (peek(pos) & ((uint64_t{1} << (total_bits - pos)) - 1))) return kFaultPadding;
-  // the words: ordinal of the Anchor-only word + d; out of range, then non-finite, refused
+  if (total_bits - pos >= 8) {
+    d.fault = kFaultLength;
+    return;
+  }
+  if (pos < total_bits && (peek_bits<D>(d.stream, pos) & ((uint64_t{1} << (total_bits - pos)) - 1))) {
+    d.fault = kFaultPadding;
+    return;
+  }
   const Word* a = s.anchor.data();
+  const auto* zs = d.z;
   if constexpr (sizeof(Word) == 2) {
     __m256i out_of_range = _mm256_setzero_si256(), non_finite = _mm256_setzero_si256();
     const __m256i field = _mm256_set1_epi32(static_cast<int32_t>(L::kExponentMask << L::M));
     for (int64_t i = 0; i < values; i += 8) {
       const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zs + i));
-      const __m256i d = _mm256_xor_si256(_mm256_srli_epi32(z, 1),
-                                         _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_and_si256(z, _mm256_set1_epi32(1))));
-      const __m256i o = _mm256_add_epi32(L::ordinals8(L::load_words8(a + i)), d);
+      const __m256i d8 = _mm256_xor_si256(
+          _mm256_srli_epi32(z, 1), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_and_si256(z, _mm256_set1_epi32(1))));
+      const __m256i o = _mm256_add_epi32(L::ordinals8(L::load_words8(a + i)), d8);
       out_of_range = _mm256_or_si256(out_of_range, _mm256_or_si256(_mm256_cmpgt_epi32(o, _mm256_set1_epi32(0x7FFF)),
                                                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(-0x8000), o)));
       const __m256i w = _mm256_and_si256(L::ordinals8(o), _mm256_set1_epi32(0xFFFF));
       non_finite = _mm256_or_si256(non_finite, _mm256_cmpeq_epi32(_mm256_and_si256(w, field), field));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), narrow16(w));
     }
-    if (!_mm256_testz_si256(out_of_range, out_of_range)) return kFaultRange;
-    if (!_mm256_testz_si256(non_finite, non_finite)) return kFaultNonFinite;
+    if (!_mm256_testz_si256(out_of_range, out_of_range)) d.fault = kFaultRange;
+    else if (!_mm256_testz_si256(non_finite, non_finite)) d.fault = kFaultNonFinite;
   } else {
     constexpr int64_t kHalf = int64_t{1} << (L::W - 1);
     bool out_of_range = false, non_finite = false;
     for (int64_t i = 0; i < values; ++i) {
       const uint64_t z = zs[i];
-      const int64_t d = static_cast<int64_t>(z >> 1) ^ -static_cast<int64_t>(z & 1);
-      const int64_t o = L::ordinal(a[i]) + d;
+      const int64_t dv = static_cast<int64_t>(z >> 1) ^ -static_cast<int64_t>(z & 1);
+      const int64_t o = L::ordinal(a[i]) + dv;
       out_of_range |= (o < -kHalf) | (o >= kHalf);
       const Word w = static_cast<Word>(o ^ ((o >> 63) & (kHalf - 1)));
       non_finite |= D::non_finite(w);
       out[i] = w;
     }
-    if (out_of_range) return kFaultRange;
-    if (non_finite) return kFaultNonFinite;
+    if (out_of_range) d.fault = kFaultRange;
+    else if (non_finite) d.fault = kFaultNonFinite;
   }
-  return kFaultNone;
 }
 
 // Lossless bodies of several parts (their Anchors already encoded), one task per part; per
@@ -536,7 +673,8 @@ std::vector<int64_t> encode_lossless_parts(const std::vector<EncodeJob<D>>& jobs
 }
 
 // Decode several parts' lossless bodies and, only if every one is sound, write them into
-// their rows[slots]; per part a ResidualFault.
+// their rows[slots]; per part a ResidualFault. A task is two parts (their serial loops
+// interleaved).
 template <typename D>
 std::vector<int64_t> decode_lossless_parts(const std::vector<DecodeJob<D>>& jobs, const std::vector<int64_t>& lengths,
                                            int threads) {
@@ -547,10 +685,29 @@ std::vector<int64_t> decode_lossless_parts(const std::vector<DecodeJob<D>>& jobs
   static thread_local std::vector<Word> decoded;  // every part's words, until all are found sound
   grow(decoded, offsets[count]);
   Word* words = decoded.data();
+  const int64_t pairs = (count + 1) / 2;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t i = 0; i < count; ++i)
-    faults[i] = decode_lossless_part<D>(jobs[i].p, jobs[i].anchor, jobs[i].residual, lengths[i], words + offsets[i],
-                                        lossless_scratch<D>());
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    static thread_local LosslessScratch<D> scratch[2];
+    PartDecode<D> d[2];
+    const int64_t first = 2 * pair, n = std::min<int64_t>(2, count - first);
+    for (int64_t k = 0; k < n; ++k) {
+      const DecodeJob<D>& job = jobs[first + k];
+      decode_begin<D>(job.p, job.anchor, job.residual, lengths[first + k], words + offsets[first + k], scratch[k], d[k]);
+    }
+    const bool run0 = d[0].coded && !d[0].fault, run1 = n == 2 && d[1].coded && !d[1].fault;
+    if (run0 && run1) {
+      decode_serial2(d[0], d[1]);
+    } else if (run0) {
+      decode_serial(d[0]);
+    } else if (run1) {
+      decode_serial(d[1]);
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      decode_end(scratch[k], words + offsets[first + k], d[k]);
+      faults[first + k] = d[k].fault;
+    }
+  }
   for (int64_t fault : faults)
     if (fault) return faults;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
