@@ -2,8 +2,9 @@
 // the code), one part per task. Encode: the part's Anchor-only values (decode_unit), each
 // value's context and symbol with a histogram, Huffman code lengths, then either the coded
 // body (its size is known from the histogram before a bit is written) or the raw words.
-// Decode: the Anchor-only values again, one 4096-entry table lookup per code, and every part
-// checked before any pool row is written.
+// Decode: the Anchor-only values again, one table lookup per value (a table per context,
+// indexed by as many bits as its longest code; two parts' serial loops interleaved), and
+// every part checked before any pool row is written.
 #pragma once
 
 #include <algorithm>
@@ -27,7 +28,7 @@ enum ResidualFault : int64_t {
   kFaultFormat,      // an unknown format byte
   kFaultTables,      // contexts out of order or range, or lengths that are no complete code
   kFaultNoTable,     // a value whose context has no table
-  kFaultCode,        // a code that is in no table
+  kFaultCode,        // a code that is in no table (never: every table is a complete code)
   kFaultRange,       // an ordinal out of the word range
   kFaultNonFinite,   // a NaN or infinite word
   kFaultPadding,     // bits set past the last value
