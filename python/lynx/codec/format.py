@@ -72,6 +72,7 @@ run (block, head, channel).
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -283,6 +284,7 @@ def num_groups(n_tokens: int, channels: int, kind: Kind, config: CodecConfig) ->
     return n_tokens * (channels // config.group_size)
 
 
+@functools.lru_cache(maxsize=4096)  # a few shapes per server, asked for per part of every segment
 def part_layout(
     n_tokens: int, channels: int, kind: Kind, config: CodecConfig, dtype: torch.dtype
 ) -> PartLayout:

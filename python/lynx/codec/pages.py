@@ -157,12 +157,12 @@ def _compact_residual(residual: torch.Tensor, starts: list[int], lengths: list[i
     """Move the part bodies (``lengths`` bytes at ``starts``, in order, each start at or
     after the previous body's new end) back to back after the head, write the head and
     zero the rest up to a multiple of ALIGN; returns that length."""
-    ends, at = [], head
-    for start, length in zip(starts, lengths, strict=True):
-        if start != at:  # destination below the source: a copy of the source first
-            residual[at : at + length] = residual[start : start + length].clone()
-        at += length
-        ends.append(at)
+    bodies = torch.cat(
+        [residual[start : start + length] for start, length in zip(starts, lengths, strict=True)]
+    )
+    at = head + bodies.numel()
+    residual[head:at] = bodies  # a copy: the bodies' sources overlap where they go
+    ends = [head + int(end) for end in torch.tensor(lengths).cumsum(0)]
     used = -(-at // ALIGN) * ALIGN
     residual[at:].zero_()
     residual[:head] = torch.tensor([used, *ends], dtype=torch.int32).view(torch.uint8).to(residual.device)
