@@ -239,7 +239,10 @@ def main() -> None:
     args = parser.parse_args()
     fetch_texts(args.data)
     results: dict = {
-        "command": "benchmark/codec_lossless.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "command": "benchmark/codec_lossless.py "
+        + " ".join(
+            f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
+        ),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "date": time.strftime("%Y-%m-%d"),
         "ratios": {},
