@@ -74,3 +74,16 @@ def test_the_estimator_mixes_measurements() -> None:
     est.observe_decoding(0, 1.0)  # nothing held: no measurement
     est.observe_residual(1000, 0.0)  # landed with the Anchor: no measurement
     assert (est.tokens_per_s, est.residual_bytes_per_s) == (10.0, 1000)
+
+
+def test_a_lossless_residual_is_expected_to_send_what_residuals_have_sent() -> None:
+    """A lossless Residual travels shorter than its space: the window sizes its flight from
+    the share of their space that landed Residuals took, the whole space before any."""
+    est = WindowEstimator(weight=0.5)
+    assert est.expected_residual_nbytes(10_000) == 10_000
+    est.observe_residual(4000, 2.0, space=10_000)
+    est.observe_residual(6000, 2.0, space=10_000)
+    assert est.residual_fill == 0.5
+    assert est.expected_residual_nbytes(10_000) == 5000
+    est.observe_residual(0, 0.0, space=10_000)  # nothing landed: no measurement
+    assert est.residual_fill == 0.5
