@@ -226,7 +226,7 @@ def test_a_device_pools_lossless_residual_is_coded_and_decoded_on_the_host() -> 
     expect_residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
     used = reference.encode_part(rows[slots], "key", config, expect_anchor, expect_residual)
     residual = torch.full_like(expect_residual, 0x5A)
-    assert backend._encode_lossless_on_host(rows, slots, "key", config, expect_anchor, residual) == used
+    assert backend._encode_lossless_on_host(rows[slots], "key", config, residual) == used
     assert torch.equal(residual, expect_residual)
     part = backend._decoded_part(
         expect_anchor, residual[:used], slots.numel(), rows.shape[1], rows.dtype, "key", config

@@ -1352,14 +1352,22 @@ def test_a_non_finite_word_in_a_lossless_residual_fails_the_request(
     assert all(not k[seg.start : seg.end].any() for k in pair.decode_k)
 
 
+def lossless_request(
+    pairs: Callable[..., Pair], room: int, seed: int
+) -> tuple[Pair, Offer, torch.Tensor, RequestLayout, torch.Tensor]:
+    """A pair with the lossless Residual, an offer for ``room``, prefill's slots of the
+    request and its encoded space."""
+    pair = pairs(codec=CodecConfig(residual="exact"))
+    offer = pair.reserve(room)
+    assert offer is not None
+    slots = torch.as_tensor(pair.pages(seed=seed))
+    plan, space = encoded_space(pair, slots, pair.handshake.codec)
+    return pair, offer, slots, plan, space
+
+
 def test_a_raw_lossless_residual_decodes_like_a_coded_one(pairs: Callable[..., Pair]) -> None:
     """A decoder takes any part body the format allows: raw bodies give the same rows."""
-    codec = CodecConfig(residual="exact")
-    pair = pairs(codec=codec)
-    offer = pair.reserve(61)
-    assert offer is not None
-    slots = torch.as_tensor(pair.pages(seed=39))
-    plan, space = encoded_space(pair, slots, codec)
+    pair, offer, slots, plan, space = lossless_request(pairs, 61, seed=39)
     seg = plan.segments[1]
     space[plan.byte_ranges(seg)[1]] = raw_lossless_residual(
         pair, slots[seg.start : seg.end], seg.residual_nbytes
@@ -1376,12 +1384,7 @@ def test_a_raw_lossless_residual_decodes_like_a_coded_one(pairs: Callable[..., P
 def test_a_corrupt_lossless_residual_fails_the_request(pairs: Callable[..., Pair], corrupt: str) -> None:
     """Without checksums, a lossless Residual whose head, part bodies or landed count do not
     hold together fails its request with a clear error."""
-    codec = CodecConfig(residual="exact")
-    pair = pairs(codec=codec)
-    offer = pair.reserve(62)
-    assert offer is not None
-    slots = torch.as_tensor(pair.pages(seed=40))
-    plan, space = encoded_space(pair, slots, codec)
+    pair, offer, _, plan, space = lossless_request(pairs, 62, seed=40)
     play_prefill(pair, 62, offer, space, extra_residual_nbytes=16 if corrupt == "landed" else 0)
     assert pair.verdict(62) == (Verdict.READY, None)
     seg = plan.segments[1]

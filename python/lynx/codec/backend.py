@@ -72,7 +72,8 @@ def encode_rows(
             part = rows if slots is None else rows.index_select(0, slots)
             reference.raise_non_finite(part, where, slots, head_dim)
         if config.residual_is_variable:
-            return _encode_lossless_on_host(rows, slots, kind, config, anchor_out, residual_out)
+            part = rows if slots is None else rows.index_select(0, slots)
+            return _encode_lossless_on_host(part, kind, config, residual_out)
         return layout.residual_nbytes
     if _use_cpp(rows):
         (used,) = cpp_backend.encode_parts([PartIO(rows, kind, anchor_out, residual_out)], slots, config)
@@ -84,19 +85,16 @@ def encode_rows(
 
 
 def _encode_lossless_on_host(
-    rows: torch.Tensor,
-    slots: torch.Tensor | None,
-    kind: Kind,
-    config: CodecConfig,
-    anchor_out: torch.Tensor,
-    residual_out: torch.Tensor,
+    part: torch.Tensor, kind: Kind, config: CodecConfig, residual_out: torch.Tensor
 ) -> int:
-    """The lossless Residual of a part whose Anchor a device kernel wrote: coded on the
-    host (no device coder yet) and copied back; the Anchor is re-encoded there bit for bit."""
-    part = (rows if slots is None else rows.index_select(0, slots)).cpu()
-    anchor = torch.empty(anchor_out.numel(), dtype=torch.uint8)
-    residual = torch.empty(residual_out.numel(), dtype=torch.uint8)
-    used = encode_rows(part, None, kind, config, anchor, residual)
+    """The lossless Residual of a part (its rows gathered) whose Anchor a device kernel
+    wrote: coded on the host (no device coder yet), where the Anchor is encoded again bit
+    for bit, and copied back."""
+    host = part.cpu()
+    layout = part_layout(host.shape[0], host.shape[1], kind, config, host.dtype)
+    anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
+    residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
+    used = encode_rows(host, None, kind, config, anchor, residual)
     residual_out.copy_(residual)
     return used
 
