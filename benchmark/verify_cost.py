@@ -4,11 +4,11 @@ One speculative prefill + decode pair (loopback) serves one streamed greedy requ
 ``--contexts`` length: the Residual is held back ``--hold`` seconds, so the request holds
 ``--cap`` tokens on Anchor KV before its verify pass; it then decodes ``--after`` more
 tokens at full precision. From the response's speculation report: the refine time (prompt
-KV rewritten at full precision) and the verify forward (one decode row per held token);
+KV rewritten at full precision) and the verify pass (one decode row per held token);
 from the stream: the median time between tokens after verification, i.e. one decode step
-of this request at this context. ``--verify-attention`` runs one pair per way the verify
-pass attends (side by side, same prompts) and says whether each one's output equals the
-``rows`` pair's (the decode path's numerics). Prints a table (verify cost in decode
+of this request at this context. ``--verify-pass`` runs one pair per way of running the
+verify pass (side by side, same prompts) and says whether each one's output equals the
+``steps`` pair's (the decode path's numerics). Prints a table (verify cost in decode
 steps); writes JSON to ``--out``.
 
     PYTHONPATH=python .venv/bin/python benchmark/verify_cost.py --contexts 512 1024 2048
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=30.0)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
-    parser.add_argument("--verify-attention", nargs="+", default=["batched", "rows"])
+    parser.add_argument("--verify-pass", nargs="+", default=["batched", "steps"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/verify_cost")
     args = parser.parse_args()
     args.link = ""
@@ -64,23 +64,23 @@ def main() -> None:
     ]
     prompts = {c: prompts_from(args.data, tokenizer, 1, c, skip=700)[0] for c in args.contexts}
     rows = []
-    for attention in args.verify_attention:
-        rows += measure(args, [*flags, "--lynx-verify-attention", attention], attention, prompts)
-    outputs = {(r["attention"], r["context"]): r.pop("output_ids") for r in rows}
+    for verify_pass in args.verify_pass:
+        rows += measure(args, [*flags, "--lynx-verify-pass", verify_pass], verify_pass, prompts)
+    outputs = {(r["verify_pass"], r["context"]): r.pop("output_ids") for r in rows}
     for r in rows:
-        own, reference = outputs[(r["attention"], r["context"])], outputs.get(("rows", r["context"]))
-        r["same_output_as_rows"] = None if reference is None else own == reference
+        own, reference = outputs[(r["verify_pass"], r["context"])], outputs.get(("steps", r["context"]))
+        r["same_output_as_steps"] = None if reference is None else own == reference
     print(f"\n{args.model.name}, held tokens up to {args.cap}, Residual held {args.hold} s")
     print(
-        "| attention | context | held | accepted | refine (s) | verify forward (s) | decode step (s) "
-        "| verify in steps | refine in steps | output = rows |"
+        "| verify pass | context | held | accepted | refine (s) | verify (s) | decode step (s) "
+        "| verify in steps | refine in steps | output = steps' |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
-            f"| {r['attention']} | {r['context']} | {r['held']} | {r['accepted']} | {r['refine_s']:.3f} "
+            f"| {r['verify_pass']} | {r['context']} | {r['held']} | {r['accepted']} | {r['refine_s']:.3f} "
             f"| {r['verify_s']:.3f} | {r['decode_step_s']:.3f} | {r['verify_in_steps']:.1f} "
-            f"| {r['refine_in_steps']:.1f} | {r['same_output_as_rows']} |"
+            f"| {r['refine_in_steps']:.1f} | {r['same_output_as_steps']} |"
         )
     (args.out / "verify_cost.json").write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
@@ -89,11 +89,11 @@ def main() -> None:
 
 
 def measure(
-    args: argparse.Namespace, flags: list[str], attention: str, prompts: dict[int, str]
+    args: argparse.Namespace, flags: list[str], verify_pass: str, prompts: dict[int, str]
 ) -> list[dict]:
     rows = []
-    log_dir = args.out / "logs" / attention
-    with Pair(f"verify-{attention}", flags, args, log_dir, ["--disable-overlap-schedule"]) as pair:
+    log_dir = args.out / "logs" / verify_pass
+    with Pair(f"verify-{verify_pass}", flags, args, log_dir, ["--disable-overlap-schedule"]) as pair:
         pair.generate("warm up", 2)
         for context, prompt in prompts.items():
             marks = list(range(2, args.cap + args.after + 1))
@@ -108,7 +108,7 @@ def measure(
             step_s = (times[tail[-1]] - times[tail[0]]) / (len(tail) - 1)
             rows.append(
                 {
-                    "attention": attention,
+                    "verify_pass": verify_pass,
                     "context": context,
                     "held": delta["held_tokens"],
                     "accepted": delta["accepted_tokens"],

@@ -72,11 +72,14 @@ class LynxSettings:
     # Greedy verification accepts a held token whose full-precision log-probability is
     # within this gap of the best one (0: strict argmax, exact). Decode only, not paired.
     verify_tolerance: float = 0.0
-    # How the verify pass attends on SGLang's CPU backend: "rows" (one call per row, the
-    # decode path's numerics bit for bit, ~k decode steps) or "batched" (a request's held
-    # rows in one masked call, ~3 decode steps; equal to rounding, so a near-tie can break
-    # the other way: opt-in). Decode only, not paired.
-    verify_attention: str = "rows"
+    # How the verify pass runs the held rows (decode only, not paired): "steps", one
+    # decode forward per held position, each row computed by the kernels of the decode
+    # step that would have produced it (its logits and KV bit for bit, whatever the
+    # kernels; about one decode step per held token), or "batched", every held row in ONE
+    # forward (~3 decode steps on the CPU backend; its products and attention round
+    # differently from a decode step's unless the kernels are batch-invariant, so in BF16
+    # a near-tie can break the other way: opt-in).
+    verify_pass: str = "steps"
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
     buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once
@@ -107,10 +110,9 @@ class LynxSettings:
             raise LynxSettingsError(
                 f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"
             )
-        if self.verify_attention not in VERIFY_ATTENTION:
+        if self.verify_pass not in VERIFY_PASSES:
             raise LynxSettingsError(
-                f"--lynx-verify-attention must be one of {', '.join(VERIFY_ATTENTION)}, "
-                f"got {self.verify_attention!r}"
+                f"--lynx-verify-pass must be one of {', '.join(VERIFY_PASSES)}, got {self.verify_pass!r}"
             )
         if not 0.0 <= self.verify_tolerance <= 1.0:
             raise LynxSettingsError(
@@ -161,7 +163,7 @@ def flag_of(field: str) -> str:
     return "--lynx-" + field.removesuffix("_s").replace("_", "-")
 
 
-VERIFY_ATTENTION = ("batched", "rows")
+VERIFY_PASSES = ("steps", "batched")
 
 _SIZE_UNITS = {
     "": 1,

@@ -170,6 +170,7 @@ def build(
                 page_size,
                 runtime.metrics,
                 tolerance=settings.verify_tolerance,
+                verify_in_steps=settings.verify_pass == "steps",
                 draft_memory_bytes=settings.draft_memory_bytes,
                 seed=seed,
                 overlap=overlap,

@@ -70,11 +70,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
         "Greedy verification accepts a held token within this log-probability gap of the best "
         "(0: strict argmax, exact; opt-in relaxation, see docs/speculative.md).",
     ),
-    "verify_attention": (
+    "verify_pass": (
         str,
-        "Decode, CPU attention backend: how the verify pass attends: rows (one call per row, the "
-        "decode path's numerics bit for bit) or batched (a request's held rows in one call, ~3 "
-        "decode steps; equal to rounding: opt-in).",
+        "Decode: how the verify pass runs the held tokens: steps (one decode forward per held "
+        "position, the decode path's logits and KV bit for bit) or batched (all in one forward, "
+        "~3 decode steps; equal to rounding unless the kernels are batch-invariant: opt-in).",
     ),
     "lane_chunk_bytes": (settings.parse_size, "Residual chunk size on the low-priority lane (e.g. 1MiB)."),
     "transfer_deadline_s": (float, "Seconds a request's KV transfer may take before it fails."),

@@ -1,6 +1,6 @@
 """``--lynx-mode speculative`` on SGLang's decode scheduler: decode on the Anchor, hold
-the tokens back, refine the prompt KV when the Residual lands, verify the held tokens in
-one forward pass, commit the accepted prefix plus the correction.
+the tokens back, refine the prompt KV when the Residual lands, verify the held tokens on
+the decode path, commit the accepted prefix plus the correction.
 
 The hook modules call into the one :class:`SpeculativeDecoder` of the scheduler process
 (``lynx_patches.runtime.current().decoder``); a request's state is a :class:`Speculation`
@@ -21,9 +21,10 @@ through :mod:`lynx_patches.upstream`. The request's life (``lynx.verify.state``)
   the prompt KV of each that landed at full precision (the request decodes on until
   every TP rank has, :func:`lynx.verify.agree`). For those refined on every rank: under
   the overlap loop, first process the step still in flight (one bubble per verification;
-  a parked request's late token is held); take them out of the batch, run ONE forward
-  over ``t_0..t_{k-1}`` of all of them (one decode row per held position,
-  :func:`lynx_patches.upstream.run_verify_forward`), accept, free the KV of rejected
+  a parked request's late token is held); take them out of the batch, run the verify
+  pass over ``t_0..t_{k-1}`` of all of them (one decode row per held position: in decode
+  steps, the decode path's numerics bit for bit, or with ``--lynx-verify-pass batched``
+  in ONE forward, :func:`lynx_patches.upstream.run_verify_forward`), accept, free the KV of rejected
   positions, check the finish over the committed run, and hand each request back:
   upstream's prebuilt path re-admits it with its committed tokens (streams them, seeds
   the next decode input), exactly as it resumes a retracted request; a request the
@@ -127,6 +128,7 @@ class SpeculativeDecoder:
         metrics: LynxMetrics | None,
         *,
         tolerance: float = 0.0,
+        verify_in_steps: bool = True,
         draft_memory_bytes: int = 256 << 20,
         seed: int | None = None,
         overlap: bool = False,
@@ -145,6 +147,7 @@ class SpeculativeDecoder:
         # before it takes requests out to verify or fail them.
         self.overlap = overlap
         self.tolerance = tolerance
+        self.verify_in_steps = verify_in_steps
         self.draft_memory_bytes = draft_memory_bytes
         self.page_size = page_size
         self.metrics = metrics
@@ -470,7 +473,12 @@ class SpeculativeDecoder:
         started = time.monotonic()
         try:
             logits = (
-                upstream.run_verify_forward(scheduler, drafted, [self._spec(r).prompt_len for r in drafted])
+                upstream.run_verify_forward(
+                    scheduler,
+                    drafted,
+                    [self._spec(r).prompt_len for r in drafted],
+                    in_steps=self.verify_in_steps,
+                )
                 if drafted
                 else []
             )

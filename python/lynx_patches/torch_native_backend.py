@@ -1,17 +1,18 @@
-"""The verify pass's held rows attend in one call on SGLang's CPU attention backend
-(``--lynx-mode speculative``).
+"""A batched verify pass's held rows attend in one call on SGLang's CPU attention backend
+(``--lynx-mode speculative --lynx-verify-pass batched``).
 
 Hook target (``sglang.srt.`` omitted):
 * ``layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode``
-  AROUND: upstream attends one decode row per SDPA call; a verify pass has k rows per
-  request (:func:`lynx_patches.upstream.run_verify_forward`), so it would pay k calls per
-  layer. Runs of rows of one request at consecutive positions
+  AROUND: upstream attends one decode row per SDPA call; a batched verify pass has k rows
+  per request in one forward (:func:`lynx_patches.upstream.run_verify_forward`), so it
+  would pay k calls per layer. Runs of rows of one request at consecutive positions
   (:func:`lynx.verify.attention.held_row_runs`) attend in one masked call
   (:func:`lynx.verify.attention.attend_held_rows`); every other row goes to upstream.
-  A plain decode batch has one row per request: upstream computes all of it, unchanged.
+  A plain decode batch, and a verify pass in decode steps, has one row per request:
+  upstream computes all of it, unchanged.
 
 Contract: scheduler thread, inside a forward; writes only the output rows of the runs it
-computes. Without a speculative decoder, with ``--lynx-verify-attention rows``, with
+computes. Without a speculative decoder, with ``--lynx-verify-pass steps``, with
 cross-attention, encoder lengths or a sliding window, upstream computes the whole batch.
 """
 
@@ -67,7 +68,7 @@ def _held_rows_together(
     plain = (
         lynx is None
         or lynx.decoder is None
-        or lynx.settings.verify_attention != "batched"
+        or lynx.settings.verify_pass != "batched"
         or encoder_lens is not None
         or is_cross_attn
         or sliding_window_size is not None

@@ -768,26 +768,27 @@ def next_token_logits(logits_output: Any) -> torch.Tensor:
     return logits_output.next_token_logits
 
 
-def run_verify_forward(scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-    """Verify the held tokens of ``reqs`` as the rows of ONE decode forward and return each
-    request's (k, vocab) float32 CPU logits, k = its output length - 1.
+def run_verify_forward(
+    scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequence[int], *, in_steps: bool
+) -> list[torch.Tensor]:
+    """Verify the held tokens of ``reqs`` on the decode path and return each request's
+    (k, vocab) float32 CPU logits, k = its output length - 1.
 
     Row i of a request feeds ``t_i`` at position ``prompt_len + i`` into its KV slot there
-    and attends to the request's KV up to and including that slot. Every layer writes the
-    KV of all rows before any row attends, so row i sees the refined prompt and
-    ``t_0..t_{i-1}`` rewritten on it: the same causal computation as an extend over the
-    held tokens, at a decode step's cost per row (attention over the prefix, not over the
-    whole sequence as the CPU backend's extend computes it), with the decode path's
-    numerics -- those a request without speculation is decoded with. Logits come one row
-    per decode row, as for any decode batch.
-    """
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    and attends to the request's KV up to and including that slot: what decode step i
+    computed on the Anchor, now over the refined prompt.
 
-    device = scheduler.req_to_token_pool.device
-    table = scheduler.req_to_token_pool.req_to_token
-    row_reqs, pool_rows, seq_lens, tokens, slots, held = [], [], [], [], [], []
+    ``in_steps`` (``--lynx-verify-pass steps``): row i of every request runs in decode
+    forward i, one row per request, so each row is computed by the very kernels, shapes
+    and reduction orders of the decode step that would have produced it without
+    speculation: its logits and the KV it writes are that step's, bit for bit, whatever
+    the kernels (one decode step per held token). Otherwise (``batched``) every row of
+    every request runs in ONE decode forward: the linear layers see all rows at once and,
+    on the CPU backend, a request's rows attend in one masked call
+    (:mod:`lynx_patches.torch_native_backend`); a few decode steps' cost, equal to the
+    decode path up to the kernels' rounding (exact where they are batch-invariant).
+    """
+    held = []
     for req, prompt_len in zip(reqs, prompt_lens, strict=True):
         k = len(req.output_ids) - 1
         if k < 1 or kv_allocated_len(req) != prompt_len + k:
@@ -795,13 +796,37 @@ def run_verify_forward(scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequenc
                 f"request {req.rid}: {kv_allocated_len(req)} KV slots for a prompt of "
                 f"{prompt_len} and {k} held tokens"
             )
-        row = req_pool_row(req)
-        row_reqs.extend([req] * k)
-        pool_rows.extend([row] * k)
-        seq_lens.extend(range(prompt_len + 1, prompt_len + k + 1))
-        tokens.extend(req.output_ids[:k])
-        slots.append(table[row, prompt_len : prompt_len + k])
         held.append(k)
+    rows = [
+        (req, prompt_len, i)
+        for req, prompt_len, k in zip(reqs, prompt_lens, held, strict=True)
+        for i in range(k)
+    ]
+    if not in_steps:
+        return list(_decode_forward(scheduler, rows).split(held))
+    per_req: list[list[torch.Tensor]] = [[] for _ in reqs]
+    for step in range(max(held)):
+        live = [n for n, k in enumerate(held) if k > step]
+        logits = _decode_forward(scheduler, [(reqs[n], prompt_lens[n], step) for n in live])
+        for n, row in zip(live, logits, strict=True):
+            per_req[n].append(row)
+    return [torch.stack(rows_of_req) for rows_of_req in per_req]
+
+
+def _decode_forward(scheduler: Any, rows: Sequence[tuple[Any, int, int]]) -> torch.Tensor:
+    """One DECODE forward over ``rows`` (request, prompt length, held position i): row i
+    of a request feeds ``output_ids[i]`` into the KV slot at ``prompt_len + i`` and
+    attends up to it. Every layer writes the KV of all rows before any row attends.
+    Returns the (rows, vocab) float32 CPU logits, one per row, in order."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    device = scheduler.req_to_token_pool.device
+    table = scheduler.req_to_token_pool.req_to_token
+    row_reqs = [req for req, _, _ in rows]
+    pool_rows = [req_pool_row(req) for req in row_reqs]
+    seq_lens = [prompt_len + i + 1 for _, prompt_len, i in rows]
     batch = ScheduleBatch.init_new(
         row_reqs,
         scheduler.req_to_token_pool,
@@ -818,15 +843,18 @@ def run_verify_forward(scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequenc
     batch.seq_lens_sum = sum(seq_lens)
     batch.req_pool_indices = torch.tensor(pool_rows, dtype=torch.int64, device=device)
     batch.req_pool_indices_cpu = torch.tensor(pool_rows, dtype=torch.int64)
-    batch.out_cache_loc = torch.cat(slots).to(device=device, dtype=torch.int64)
-    batch.input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-    batch.multimodal_inputs = [None] * len(row_reqs)
+    slots = torch.stack([table[row, seq_len - 1] for row, seq_len in zip(pool_rows, seq_lens, strict=True)])
+    batch.out_cache_loc = slots.to(device=device, dtype=torch.int64)
+    batch.input_ids = torch.tensor(
+        [req.output_ids[i] for req, _, i in rows], dtype=torch.int64, device=device
+    )
+    batch.multimodal_inputs = [None] * len(rows)
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, vocab_size(scheduler))
     result = scheduler.tp_worker.forward_batch_generation(batch, is_verify=True)
     logits = next_token_logits(result.logits_output)
-    if logits.shape[0] != len(row_reqs):
-        raise RuntimeError(f"verify forward gave {logits.shape[0]} logit rows for {len(row_reqs)}")
-    return list(logits.float().cpu().split(held))
+    if logits.shape[0] != len(rows):
+        raise RuntimeError(f"verify forward gave {logits.shape[0]} logit rows for {len(rows)}")
+    return logits.float().cpu()
 
 
 # ---- the contract, checked ------------------------------------------------------------------

@@ -27,6 +27,7 @@ LYNX_FLAGS = [
     "--lynx-protect-last",
     "--lynx-max-speculative-tokens",
     "--lynx-verify-tolerance",
+    "--lynx-verify-pass",
     "--lynx-lane-chunk-bytes",
     "--lynx-transfer-deadline",
     "--lynx-buffer-bytes",

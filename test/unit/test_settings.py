@@ -28,6 +28,7 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
         ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes"),
         ({"transfer_deadline_s": 0.0}, "--lynx-transfer-deadline"),
         ({"checksums": "yes"}, "--lynx-checksums must be true or false, got 'yes'"),
+        ({"verify_pass": "rows"}, "--lynx-verify-pass must be one of steps, batched, got 'rows'"),
     ],
 )
 def test_invalid_values_name_their_flag(kwargs: dict, message: str) -> None:

@@ -125,7 +125,9 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     verify_logits: list[torch.Tensor] = []
     forwarded: list[list[str]] = []
 
-    def verify_forward(scheduler: Any, reqs: list[Any], lens: list[int]) -> list[torch.Tensor]:
+    def verify_forward(
+        scheduler: Any, reqs: list[Any], lens: list[int], *, in_steps: bool
+    ) -> list[torch.Tensor]:
         forwarded.append([req.rid for req in reqs])
         if verify_logits and isinstance(verify_logits[0], Exception):
             raise verify_logits[0]
