@@ -85,6 +85,8 @@ def speculative_flags(
         str(bits),
         "--lynx-verify-tolerance",
         str(tolerance),
+        "--lynx-verify-pass",
+        args.verify_pass,
         "--lynx-max-speculative-tokens",
         str(args.cap),
         "--lynx-residual-hold",
@@ -158,7 +160,14 @@ def main() -> None:
     parser.add_argument(
         "--extra", type=extra_config, nargs="*", help="more BITS:TOLERANCE:FIRST:LAST configurations"
     )
-    parser.add_argument("--with-full", action="store_true", help="also serve Lynx full mode (INT8)")
+    parser.add_argument("--with-full", action="store_true", help="also serve Lynx full mode")
+    parser.add_argument("--verify-pass", choices=["steps", "batched"], default="steps")
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="serve speculative requests one at a time, as the reference: the same decode batch "
+        "sizes, so outputs can equal the reference bit for bit (otherwise all at once)",
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--gen", type=int, default=40)
@@ -177,7 +186,7 @@ def main() -> None:
     reference = [a["output_ids"] for a in serve("bf16", [], prompts, args, at_once=False)]
     full = None
     if args.with_full:
-        print("== Lynx full (INT8)", flush=True)
+        print("== Lynx full", flush=True)
         full = agreement_of(
             [a["output_ids"] for a in serve("full", ["--lynx"], prompts, args, at_once=False)], reference
         )
@@ -188,7 +197,7 @@ def main() -> None:
         print(f"== {bits}-bit Anchors, tolerance {tolerance}, protect {protect}", flush=True)
         flags = speculative_flags(bits, tolerance, protect, args)
         name = f"spec-{bits}bit-t{tolerance}-p{protect[0]}-{protect[1]}"
-        answers = serve(name, flags, prompts, args, at_once=True)
+        answers = serve(name, flags, prompts, args, at_once=not args.one_at_a_time)
         handshake = Handshake(
             Mode.SPECULATIVE,
             CodecConfig(anchor_bits=bits),
@@ -210,7 +219,8 @@ def main() -> None:
         print(f"  acceptance {r['acceptance']}, agreement {r['agreement']}, {r['rejections']}", flush=True)
     print(
         f"\n{args.model.name} ({args.dtype}): {args.prompts} prompts x {args.prompt_tokens} tokens "
-        f"of {len(TEXTS)} texts, gen {args.gen}, cap {args.cap}, Residual held {args.hold} s"
+        f"of {len(TEXTS)} texts, gen {args.gen}, cap {args.cap}, Residual held {args.hold} s, "
+        f"verify pass {args.verify_pass}, {'one at a time' if args.one_at_a_time else 'all at once'}"
     )
     print(
         "| anchor bits | protect first:last (tokens) | Anchor bytes added | tolerance | held | acceptance "
@@ -230,7 +240,7 @@ def main() -> None:
         )
     if full is not None:
         print(
-            f"| full (INT8) | | | | | | | | | | {100 * full['identical_outputs']:.0f}% "
+            f"| full | | | | | | | | | | {100 * full['identical_outputs']:.0f}% "
             f"| {100 * full['tokens_before_first_difference']:.1f}% |"
         )
     (args.out / "spec_acceptance.json").write_text(
