@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from lynx.codec import CodecConfig, CodecInputError
 from lynx.codec.format import KeyLayout
 from lynx.codec.format import Residual as ResidualMode
-from lynx.lanes.scheduler import MAX_DEADLINE_S
+from lynx.lanes.scheduler import MAX_DEADLINE_S, LaneConfig
 from lynx.mode import Mode
 
 SETTINGS_ENV = "LYNX_SETTINGS"
@@ -39,6 +39,26 @@ _CODEC_DEFAULTS = CodecConfig()
 # Protected tokens are meant to be a few sinks and a recent window; more than this is a
 # typo, and would move most of a long prompt's Residual onto the Anchor lane.
 _MAX_PROTECTED = 1 << 16
+# A deadline below this fails every transfer before its first write could land: a typo
+# (e.g. milliseconds for seconds), not a setting.
+_MIN_DEADLINE_S = 0.1
+# Buffers and budgets in bytes: more than any host holds; above it a number is a typo (and
+# 99999999999G reached torch.empty, whose error named no flag).
+_MAX_BYTES = 1 << 40
+# The lanes never cut a Residual chunk larger than this once they measured the link; a
+# larger first chunk would only hold up the Anchors queued behind it.
+_MAX_LANE_CHUNK = LaneConfig().low_chunk_max_bytes
+# Held tokens are verified one decode step each; a window of thousands is a typo, and
+# would keep a request's tokens unconfirmed for as many steps.
+_MAX_SPECULATIVE_TOKENS = 1024
+# What each kind of setting must be, by the type of its default (bool before int: a bool
+# is an int to isinstance); a number may be written as an integer.
+_KINDS: dict[type, tuple[str, tuple[type, ...]]] = {
+    bool: ("true or false", (bool,)),
+    int: ("an integer", (int,)),
+    float: ("a number", (int, float)),
+    str: ("text", (str,)),
+}
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,7 @@ class LynxSettings:
     residual_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
+        self._check_types()
         try:
             object.__setattr__(self, "mode", Mode.parse(self.mode))  # frozen; JSON gives the name
         except ValueError as exc:
@@ -104,11 +125,10 @@ class LynxSettings:
                 raise LynxSettingsError(
                     f"{flag_of(protect)} must be a token count in 0..{_MAX_PROTECTED}, got {value}"
                 )
-        if not isinstance(self.checksums, bool):
-            raise LynxSettingsError(f"{flag_of('checksums')} must be true or false, got {self.checksums!r}")
-        if self.max_speculative_tokens < 1:
+        if not 1 <= self.max_speculative_tokens <= _MAX_SPECULATIVE_TOKENS:
             raise LynxSettingsError(
-                f"--lynx-max-speculative-tokens must be >= 1, got {self.max_speculative_tokens}"
+                f"--lynx-max-speculative-tokens must be in 1..{_MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.max_speculative_tokens}"
             )
         if self.verify_pass not in VERIFY_PASSES:
             raise LynxSettingsError(
@@ -119,12 +139,16 @@ class LynxSettings:
                 "--lynx-verify-tolerance must be a log-probability gap in [0, 1], "
                 f"got {self.verify_tolerance}"
             )
-        if self.lane_chunk_bytes < 4096:
-            raise LynxSettingsError(f"--lynx-lane-chunk-bytes must be >= 4096, got {self.lane_chunk_bytes}")
-        if not (math.isfinite(self.transfer_deadline_s) and 0 < self.transfer_deadline_s <= MAX_DEADLINE_S):
+        if not 4096 <= self.lane_chunk_bytes <= _MAX_LANE_CHUNK:
             raise LynxSettingsError(
-                f"--lynx-transfer-deadline must be in (0, {MAX_DEADLINE_S:g}] seconds, "
-                f"got {self.transfer_deadline_s}"
+                f"--lynx-lane-chunk-bytes must be in 4096..{_MAX_LANE_CHUNK} bytes, "
+                f"got {self.lane_chunk_bytes}"
+            )
+        deadline = self.transfer_deadline_s
+        if not (math.isfinite(deadline) and _MIN_DEADLINE_S <= deadline <= MAX_DEADLINE_S):
+            raise LynxSettingsError(
+                f"--lynx-transfer-deadline must be in [{_MIN_DEADLINE_S:g}, {MAX_DEADLINE_S:g}] seconds, "
+                f"got {deadline}"
             )
         for hold in ("anchor_hold_s", "residual_hold_s"):
             value = getattr(self, hold)
@@ -132,10 +156,21 @@ class LynxSettings:
                 raise LynxSettingsError(
                     f"{flag_of(hold)} must be >= 0 and below --lynx-transfer-deadline, got {value}"
                 )
-        if self.draft_memory_bytes < 0:
-            raise LynxSettingsError(f"--lynx-draft-memory-bytes must be >= 0, got {self.draft_memory_bytes}")
-        if self.buffer_bytes < 0:
-            raise LynxSettingsError(f"--lynx-buffer-bytes must be >= 0, got {self.buffer_bytes}")
+        for nbytes in ("draft_memory_bytes", "buffer_bytes"):
+            value = getattr(self, nbytes)
+            if not 0 <= value <= _MAX_BYTES:
+                raise LynxSettingsError(
+                    f"{flag_of(nbytes)} must be in 0..{_MAX_BYTES} bytes (1TiB), got {value}"
+                )
+
+    def _check_types(self) -> None:
+        """Each field is of its default's kind: JSON (``from_json``) carries any value, and
+        a wrong kind would fail later with an error naming no flag, or pass (1.5 tokens)."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            what, allowed = next(kind for cls, kind in _KINDS.items() if isinstance(field.default, cls))
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise LynxSettingsError(f"{flag_of(field.name)} must be {what}, got {value!r}")
 
     def codec_config(self) -> CodecConfig:
         return CodecConfig(**{field: getattr(self, field) for field in CODEC_FIELDS})

@@ -107,6 +107,24 @@ def probe(tiny_model: Path) -> dict:
             "--lynx-transfer-deadline",
             "inf",
         ],
+        "tiny_deadline": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "decode",
+            "--lynx",
+            "--lynx-transfer-deadline",
+            "1e-300",
+        ],
+        "huge_buffer": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "prefill",
+            "--lynx",
+            "--lynx-buffer-bytes",
+            "99999999999G",
+        ],
         "hold_past_deadline": [
             *model,
             *pd,
@@ -193,7 +211,12 @@ def test_cpu_engine_pd_defaults(probe: dict) -> None:
         ("hold_past_deadline", "--lynx-residual-hold must be >= 0 and below --lynx-transfer-deadline"),
         ("upstream_kv_checksum", "--disaggregation-enable-kv-checksum compares prefill's KV"),
         ("speculative_radix_cache", "cannot run with --disaggregation-decode-enable-radix-cache"),
-        ("infinite_deadline", "--lynx-transfer-deadline must be in (0, 3600] seconds, got inf"),
+        ("infinite_deadline", "--lynx-transfer-deadline must be in [0.1, 3600] seconds, got inf"),
+        ("tiny_deadline", "--lynx-transfer-deadline must be in [0.1, 3600] seconds, got 1e-300"),
+        (
+            "huge_buffer",
+            "--lynx-buffer-bytes must be in 0..1099511627776 bytes (1TiB), got 107374182398926258176",
+        ),
     ],
 )
 def test_bad_combinations_are_refused(probe: dict, case: str, message: str) -> None:

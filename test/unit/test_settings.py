@@ -24,9 +24,27 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
         ({"key_block": 3}, "--lynx-key-block"),
         ({"protect_first": -1}, "--lynx-protect-first must be a token count in 0..65536, got -1"),
         ({"protect_last": 65537}, "--lynx-protect-last must be a token count in 0..65536, got 65537"),
-        ({"max_speculative_tokens": 0}, "--lynx-max-speculative-tokens"),
-        ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes"),
+        ({"max_speculative_tokens": 0}, "--lynx-max-speculative-tokens must be in 1..1024, got 0"),
         ({"transfer_deadline_s": 0.0}, "--lynx-transfer-deadline"),
+        (
+            {"transfer_deadline_s": 1e-300},
+            r"--lynx-transfer-deadline must be in \[0.1, 3600\] seconds, got 1e-300",
+        ),
+        (
+            {"buffer_bytes": 99999999999 << 30},
+            rf"--lynx-buffer-bytes must be in 0..1099511627776 bytes \(1TiB\), got {99999999999 << 30}$",
+        ),
+        ({"buffer_bytes": -1}, r"--lynx-buffer-bytes must be in 0..1099511627776 bytes \(1TiB\), got -1"),
+        (
+            {"draft_memory_bytes": (1 << 40) + 1},
+            r"--lynx-draft-memory-bytes must be in 0..1099511627776 bytes \(1TiB\), got 1099511627777",
+        ),
+        (
+            {"lane_chunk_bytes": 1 << 30},
+            "--lynx-lane-chunk-bytes must be in 4096..16777216 bytes, got 1073741824",
+        ),
+        ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes must be in 4096..16777216 bytes, got 100"),
+        ({"max_speculative_tokens": 1025}, "--lynx-max-speculative-tokens must be in 1..1024, got 1025"),
         ({"checksums": "yes"}, "--lynx-checksums must be true or false, got 'yes'"),
         ({"verify_pass": "rows"}, "--lynx-verify-pass must be one of steps, batched, got 'rows'"),
     ],
@@ -34,6 +52,32 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
 def test_invalid_values_name_their_flag(kwargs: dict, message: str) -> None:
     with pytest.raises(LynxSettingsError, match=message):
         LynxSettings(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("protect_first", 1.5, "--lynx-protect-first must be an integer, got 1.5"),
+        ("anchor_bits", True, "--lynx-anchor-bits must be an integer, got True"),
+        ("buffer_bytes", "1GiB", "--lynx-buffer-bytes must be an integer, got '1GiB'"),
+        ("checksums", 1, "--lynx-checksums must be true or false, got 1"),
+        ("transfer_deadline_s", "60", "--lynx-transfer-deadline must be a number, got '60'"),
+        ("residual_hold_s", False, "--lynx-residual-hold must be a number, got False"),
+        ("verify_pass", 2, "--lynx-verify-pass must be text, got 2"),
+        ("mode", None, "--lynx-mode must be text, got None"),
+        ("residual", ["exact"], r"--lynx-residual must be text, got \['exact'\]"),
+    ],
+)
+def test_from_json_checks_each_setting_s_type(field: str, value: object, message: str) -> None:
+    """Old: from_json passed any JSON value on (protect_first 1.5 was taken)."""
+    raw = json.loads(LynxSettings().to_json())
+    with pytest.raises(LynxSettingsError, match=message):
+        LynxSettings.from_json(json.dumps({**raw, field: value}))
+
+
+def test_numbers_may_be_written_as_integers() -> None:
+    assert LynxSettings.from_json('{"transfer_deadline_s": 30}').transfer_deadline_s == 30
+    assert LynxSettings(buffer_bytes=1 << 40, lane_chunk_bytes=16 << 20, max_speculative_tokens=1024)
 
 
 def test_protected_tokens_are_counted_from_zero_to_the_bound() -> None:
@@ -147,8 +191,9 @@ def test_upstream_kv_checksum_is_refused_naming_lynx_checksums(mode: str) -> Non
         )
 
 
-@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, 3601.0])
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, 0.099, 3601.0])
 def test_transfer_deadline_is_finite_and_bounded(seconds: float) -> None:
-    with pytest.raises(LynxSettingsError, match=r"--lynx-transfer-deadline must be in \(0, 3600\]"):
+    with pytest.raises(LynxSettingsError, match=r"--lynx-transfer-deadline must be in \[0.1, 3600\]"):
         LynxSettings(transfer_deadline_s=seconds)
     assert LynxSettings(transfer_deadline_s=3600).transfer_deadline_s == 3600
+    assert LynxSettings(transfer_deadline_s=0.1).transfer_deadline_s == 0.1

@@ -37,7 +37,17 @@ import numpy as np
 import torch
 
 from lynx.codec import CodecError, encode_pages
-from lynx.lanes import Lane, LaneConfig, LaneError, LaneScheduler, StreamState, StreamStatus, TransferBackend
+from lynx.lanes import (
+    AddressError,
+    AddressRanges,
+    Lane,
+    LaneConfig,
+    LaneError,
+    LaneScheduler,
+    StreamState,
+    StreamStatus,
+    TransferBackend,
+)
 from lynx.transfer.arena import arena_over
 from lynx.transfer.protocol import (
     Handshake,
@@ -60,7 +70,9 @@ _LANE_OF_STREAM = {stream: lane for lane, stream in _STREAM_OF_LANE.items()}
 _NO_OFFER = (
     "sent no Lynx offer: it runs without --lynx (start both servers with --lynx and the same --lynx-* flags)"
 )
-_ENDED_KEPT = 1 << 16  # failed or aborted reservations remembered, so that their late chunks are dropped
+# Reservations given up or released, remembered so that their late chunks are dropped and
+# a replayed offer of one is refused.
+_ENDED_KEPT = 1 << 16
 _EARLY_OFFERS_KEPT = 4096  # offers for rooms this server has no request for (yet)
 
 
@@ -228,7 +240,9 @@ class ProgressiveSender:
             except ProtocolError as exc:  # no nonce to answer with: upstream's failure tells decode
                 answer = f"cannot read the decode server's Lynx offer: {exc}"
             else:
-                reason = self._offer_mismatch(offer, where, n_tokens)
+                reason = self._offer_mismatch(offer, where, n_tokens) or self._room_unavailable(
+                    room, offer, where
+                )
                 if reason is None:
                     answer = offer
                     notice = Notice(NoticeKind.ACCEPT, room, offer.nonce, handshake=self.handshake.to_wire())
@@ -264,6 +278,34 @@ class ProgressiveSender:
                 f"{where} offered {offer.anchor_nbytes}+{offer.residual_nbytes} bytes for "
                 f"{n_tokens} tokens, this side sends {sent[Stream.ANCHOR]}+{sent[Stream.RESIDUAL]}"
             )
+        # The lanes check every write against these spans; spans they cannot even hold
+        # would fail the room only at its first chunk, after decode was told ACCEPT.
+        try:
+            AddressRanges.union(offer.spans())
+        except AddressError as exc:
+            return f"{where} offered receive space no write can reach ({exc})"
+        if offer.residual_nbytes and (
+            offer.anchor_addr < offer.residual_addr + offer.residual_nbytes
+            and offer.residual_addr < offer.anchor_addr + offer.anchor_nbytes
+        ):
+            return (
+                f"{where} offered Anchor space 0x{offer.anchor_addr:x}+{offer.anchor_nbytes} and "
+                f"Residual space 0x{offer.residual_addr:x}+{offer.residual_nbytes} that overlap"
+            )
+        return None
+
+    def _room_unavailable(self, room: int, offer: Offer, where: str) -> str | None:
+        """Why this server cannot take ``offer`` for ``room`` now, or None."""
+        with self._lock:
+            if room in self._rooms:
+                # Its state is the previous transfer's (lanes, send space, RELEASED to come):
+                # a second transfer of the room would find it and could not be told apart.
+                return (
+                    f"room {room} (bootstrap_room) still sends the KV of this prefill server's "
+                    "previous request of the room: a room cannot be reused until its transfer drains"
+                )
+            if (room, offer.nonce) in self._ended:  # its space may serve another request by now
+                return f"{where} offered reservation {offer.nonce:#x} of room {room} again, after it ended"
         return None
 
     def _expire_offers(self, now: float) -> None:
@@ -333,9 +375,13 @@ class ProgressiveSender:
         with self._lock:
             for state in list(self._rooms.values()):
                 if state.pending and not state.closed:
-                    if state.offset is None and not self._start(state):
-                        return  # first come, first served: later requests wait too
-                    self._encode_pending(state)
+                    try:
+                        if state.offset is None and not self._start(state):
+                            return  # first come, first served: later requests wait too
+                        self._encode_pending(state)
+                    except Exception as exc:  # this room fails; the scheduler thread serves on
+                        log.exception("Lynx: room %s: sending its KV failed", state.room)
+                        self._fail(state.room, f"cannot send the KV of room {state.room}: {exc}")
 
     def holds_pages(self, room: int) -> bool:
         """True while some of the request's chunks are not encoded yet."""
@@ -345,22 +391,54 @@ class ProgressiveSender:
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Stop the request's transfer (any thread); its space is reused once the engine
-        holds none of its writes."""
+        holds none of its writes. If nothing of it was ever written (its offer held or
+        accepted, its chunks waiting for send space), decode hears RELEASED at once."""
         with self._lock:
-            self._end(room)
             state = self._rooms.get(room)
-            if state is None or (state.closed and len(state.settled) == len(state.lanes)):
+            if state is None or state.offset is None:
+                unwritten = self._give_up_unwritten(room, reason)
+            elif state.closed and len(state.settled) == len(state.lanes):
                 return
-            state.closed = state.failed = True
-            state.pending.clear()
-            released = state.offset is None  # nothing was ever written: decode may reuse its space now
-            if released:
-                del self._rooms[room]
-        if released:
-            self._notify(state.endpoint, Notice(NoticeKind.RELEASED, room, state.offer.nonce).to_frames())
+            else:
+                unwritten = None
+                self._end(room, state.offer.nonce)
+                state.closed = state.failed = True
+                state.pending.clear()
+        if unwritten is not None:
+            endpoint, nonce = unwritten
+            self._notify(endpoint, Notice(NoticeKind.RELEASED, room, nonce).to_frames())
             return
-        self._lanes.abort(str(room))
-        log.info("Lynx: room %s aborted (%s)", room, reason)
+        if state is not None:
+            self._lanes.abort(str(room))
+            log.info("Lynx: room %s aborted (%s)", room, reason)
+
+    def _give_up_unwritten(self, room: int, reason: str) -> tuple[Endpoint, int] | None:
+        """(Lock held) ``room`` is aborted before any of its bytes went to the lanes: forget
+        what it holds, and return where to send RELEASED with which nonce (None: no
+        reservation of it is open here)."""
+        state = self._rooms.pop(room, None)
+        if state is not None:  # waiting for send space
+            state.closed = state.failed = True
+            self._end(room, state.offer.nonce)
+            return state.endpoint, state.offer.nonce
+        answer = self._answers.get(room)
+        if isinstance(answer, tuple):  # accepted, no chunk yet
+            _, endpoint, offer = answer
+            if (room, offer.nonce) in self._ended:  # aborted or released already
+                return None
+            self._end(room, offer.nonce)
+            return endpoint, offer.nonce
+        held = self._offers.pop(room, None) or self._early_offers.pop(room, None)
+        if held is None or held.offer_bytes is None:
+            return None
+        if room in self._requests:  # its request must not read "no offer came"
+            self._answers[room] = f"aborted ({reason}) before its offer was answered"
+        try:
+            offer = Offer.from_wire(held.offer_bytes)
+        except ProtocolError:
+            return None  # no nonce to answer with
+        self._end(room, offer.nonce)
+        return held.endpoint, offer.nonce
 
     def stats(self) -> SenderStats:
         lanes = self._lanes.stats()
@@ -390,8 +468,14 @@ class ProgressiveSender:
         offset = self._arena.allocate(plan.encoded_nbytes)
         if offset is None:
             return False
+        try:  # refused once the lanes' driver stopped: the room fails with nothing written
+            self._lanes.register_destination(
+                str(state.room), state.peer, state.offer.spans(), lanes=state.lanes
+            )
+        except Exception:
+            self._arena.free(offset)
+            raise
         state.offset = offset
-        self._lanes.register_destination(str(state.room), state.peer, state.offer.spans(), lanes=state.lanes)
         return True
 
     def _encode_pending(self, state: _Room) -> None:
@@ -495,7 +579,7 @@ class ProgressiveSender:
             if failed:  # the lanes fail every stream of the room: report it once
                 state.closed = state.failed = True
                 state.pending.clear()
-                self._end(room)
+                self._end(room, state.offer.nonce)
             stream = _STREAM_OF_LANE[status.lane]
             checksums = tuple(state.checksums[stream]) if ok else ()
         if status.state is not StreamState.ABORTED:
@@ -516,18 +600,11 @@ class ProgressiveSender:
         if failed:
             self._on_failure(room, f"Lynx {status.lane.name} lane: {status.error}")
 
-    def _end(self, room: int) -> None:
-        """Remember (lock held) that the reservation ``room`` was sent to was given up: a
-        later chunk of it must not start a new transfer into receive space decode may have
-        reused. A later request of the room, with a new reservation, is not affected."""
-        state = self._rooms.get(room)
-        answer = self._answers.get(room)
-        if state is not None:
-            nonce = state.offer.nonce
-        elif isinstance(answer, tuple):
-            nonce = answer[2].nonce
-        else:
-            return  # nothing accepted: no chunk can start
+    def _end(self, room: int, nonce: int) -> None:
+        """Remember (lock held) that the reservation (``room``, ``nonce``) was given up or
+        released: a later chunk or offer of it must not start a new transfer into receive
+        space decode may have reused. A later request of the room, with a new reservation,
+        is not affected."""
         self._ended[(room, nonce)] = None
         self._ended.move_to_end((room, nonce))
         if len(self._ended) > _ENDED_KEPT:
@@ -550,6 +627,8 @@ class ProgressiveSender:
                 with self._lock:
                     self._releasing.discard(room)
                     state = self._rooms.pop(room, None)
+                    if state is not None:
+                        self._end(room, state.offer.nonce)
                 if state is None:
                     continue
                 if state.offset is not None:
