@@ -20,7 +20,9 @@ bootstrap/status thread; every other method on the scheduler thread.
   offers off decode's metadata messages on prefill, Lynx notices on decode),
   ``add_transfer_request`` (prefill: encode and send instead of the page copy),
   ``build_receiver_metadata_message`` (decode: append the offer),
-  ``_handle_abort_notification`` (prefill: stop the request's lanes), ``teardown``.
+  ``_handle_abort_notification`` (prefill: stop the request's lanes),
+  ``_handle_node_failure`` (decode: upstream's heartbeat declared a prefill dead, so the
+  receive space it may have written is free), ``teardown``.
 * ``mooncake.conn.MooncakeKVSender``: ``__init__`` and ``init`` (the request of the room
   exists, then its length is known: only then is decode's offer answered), ``poll`` (hold
   ``Success`` while chunks wait for send space: their KV pages must stay), ``clear``.
@@ -109,6 +111,12 @@ class LynxKVManager(MooncakeKVManager):
             )
             return
         sender.take_offer(meta.room, offer, meta.endpoint, meta.session)
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        super()._handle_node_failure(failed_bootstrap_addr)
+        receiver = self.lynx.receiver if self.lynx is not None else None
+        if receiver is not None:  # a dead prefill writes nothing more: its space is free
+            receiver.peer_lost(failed_bootstrap_addr)
 
     def _handle_abort_notification(self, msg: list[bytes]) -> bool:
         room = upstream.aborted_room(msg)

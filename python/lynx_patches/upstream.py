@@ -95,6 +95,7 @@ CONTRACT: tuple[Relied, ...] = (
     _a(f"{COMMON_CONN}.CommonKVManager", "rank_port"),
     _m(_MANAGER, "_send_multipart_locked", "endpoint", "parts", "is_ipv6"),
     _m(_MANAGER, "_handle_abort_notification", "msg"),
+    _m(_MANAGER, "_handle_node_failure", "failed_bootstrap_addr"),
     _m(_MANAGER, "add_transfer_request", "bootstrap_room", "kv_indices", "index_slice", "is_last_chunk"),
     _m(_MANAGER, "build_receiver_metadata_message", "bootstrap_room", "is_dummy"),
     _m(_MANAGER, "check_status", "bootstrap_room"),

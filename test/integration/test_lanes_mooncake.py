@@ -66,13 +66,27 @@ def sender():
     s.lanes.close(timeout=5)
 
 
+@pytest.fixture(scope="module")
+def sessions_used() -> set[str]:
+    return set()
+
+
 @pytest.fixture
-def peers():
+def peers(sessions_used):
     started: list[PeerProcess] = []
 
     def start() -> PeerProcess:
-        started.append(PeerProcess("127.0.0.1", PEER_SIZE))
-        return started[-1]
+        # The module's one scheduler knows a peer by its session, host:port, the port drawn
+        # from ~2,000: a new peer on the port of an earlier one would inherit "it answered
+        # its probe", and a frozen one would get writes. Each peer is new to the lanes.
+        while True:
+            peer = PeerProcess("127.0.0.1", PEER_SIZE)
+            if peer.session not in sessions_used:
+                break
+            peer.close()
+        sessions_used.add(peer.session)
+        started.append(peer)
+        return peer
 
     yield start
     for p in started:

@@ -55,8 +55,10 @@ class FakeBackend:
         self.batches: list[FakeBatch] = []
         self.registered: dict[int, int] = {}
         self.unreachable: set[str] = set()
+        self.probes: list[str] = []
 
     def probe(self, peer: str) -> bool:
+        self.probes.append(peer)
         return peer not in self.unreachable
 
     def register_memory(self, addr: int, length: int) -> None:
@@ -587,6 +589,27 @@ def test_unreachable_peer_fails_its_requests_only(fake):
     lanes.submit("kept", Lane.HIGH, [(SRC, DST, 16)], last=True)
     assert lanes.wait("kept", Lane.HIGH, 5).state is StreamState.DONE
     assert [b.peer for b in fake.batches] == [PEER]
+    assert lanes.close()
+
+
+def test_a_peer_whose_write_failed_is_probed_again_before_its_next_write(fake):
+    """A session name (host:port) outlives the process behind it: once a write to it failed
+    (the peer died), a new process may take the name, and a frozen one must not get writes
+    it would keep in the engine forever. So the name is probed again, as a new peer is."""
+    lanes, _ = make(fake)
+    grant(lanes, "first", 0, 64 * KIB, lanes=[Lane.HIGH])
+    lanes.submit("first", Lane.HIGH, [(SRC, DST, 16)], last=True)
+    (batch,) = fake.wait_batches(1)
+    fake.resolve(batch, BatchState.FAILED)
+    assert lanes.wait("first", Lane.HIGH, 5).state is StreamState.FAILED
+    fake.unreachable.add(PEER)  # what now answers to the name does not
+    grant(lanes, "second", 64 * KIB, 64 * KIB, lanes=[Lane.HIGH])
+    lanes.submit("second", Lane.HIGH, [(SRC, DST + 64 * KIB, 16)], last=True)
+    status = lanes.wait("second", Lane.HIGH, 5)
+    assert (status.state, status.error) == (StreamState.FAILED, f"peer {PEER} unreachable")
+    assert len(fake.batches) == 1
+    assert fake.probes == [PEER, PEER]
+    lanes.release("second")
     assert lanes.close()
 
 

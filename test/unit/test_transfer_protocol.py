@@ -27,6 +27,7 @@ from lynx.transfer import (
 )
 from lynx.transfer.protocol import (
     CHECKSUM_BLOCK_WORDS,
+    NOTICE_TEXT_MAX,
     TAG,
     append_offer,
     bytes_per_token,
@@ -708,3 +709,12 @@ def test_mismatch_of_heads_per_rank_names_the_tp_size() -> None:
     other = Handshake("full", CodecConfig(anchor_bits=2), split.layout)
     message = HANDSHAKE.mismatch(other, this="a", other="b")
     assert message is not None and "--lynx-*" in message and "--tp-size" not in message
+
+
+def test_notice_text_is_cut_to_what_a_receiver_reads() -> None:
+    """Whole UTF-8 characters, at most NOTICE_TEXT_MAX bytes: a receiver bounds what it
+    reads of a notice by that."""
+    frames = Notice(NoticeKind.REJECT, 1, 2, text="é" * NOTICE_TEXT_MAX + "!").to_frames()
+    assert len(frames[2]) == 16 + NOTICE_TEXT_MAX
+    assert Notice.from_frames(frames).text == "é" * (NOTICE_TEXT_MAX // 2)
+    assert Notice.head_of(frames) == (NoticeKind.REJECT, 1, 2)

@@ -4,8 +4,10 @@ bytes between two CPU buffers: offer, encode, lanes, notices, decode, release.""
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +35,7 @@ from lynx.transfer import (
     page_slots,
 )
 from lynx.transfer.arena import ByteArena
-from lynx.transfer.protocol import checksum_values, span_checksum
+from lynx.transfer.protocol import TAG, checksum_values, span_checksum
 
 LAYERS, HEADS, HEAD_DIM, ROWS = 4, 2, 64, 2048
 LAYOUT = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
@@ -154,7 +156,6 @@ class Pair:
         send_bytes: int | None = None,
         recv_bytes: int | None = None,
         page_size: int = 1,
-        quarantine_s: float | None = None,
         landed_delay_s: float = 0.0,
         residual_hold_s: float = 0.0,
         offer_wait_s: float = 60.0,
@@ -188,7 +189,6 @@ class Pair:
             v_buffers=self.decode_v,
             handshake=decode_handshake,
             deadline_s=600.0,
-            quarantine_s=quarantine_s,
             on_dropped=self.dropped.append,
         )
         self.send_buffer = torch.zeros(send_bytes or 4 * request_nbytes(self.handshake), dtype=torch.uint8)
@@ -947,7 +947,7 @@ def test_abort_of_a_request_waiting_for_space(pairs: Callable[..., Pair]) -> Non
 
 def test_space_is_kept_while_the_engine_holds_writes(pairs: Callable[..., Pair]) -> None:
     backend = CopyBackend(hold=True)
-    pair = pairs(backend=backend, quarantine_s=600.0)
+    pair = pairs(backend=backend)
     offer = pair.offer(15)
     pair.send(15, offer, pair.pages(seed=19), [600])
     wait_for(lambda: bool(backend.written()), "a write in the engine")
@@ -963,15 +963,6 @@ def test_space_is_kept_while_the_engine_holds_writes(pairs: Callable[..., Pair])
     backend.hold.clear()
     pair.wait_released(15)
     wait_for(lambda: pair.sender.stats().buffer_used == 0, "the send buffer to empty")
-    stats = pair.receiver.stats()
-    assert (stats.quarantined, stats.buffer_used) == (0, 0)
-
-
-def test_quarantine_expires_when_prefill_never_releases(pairs: Callable[..., Pair]) -> None:
-    pair = pairs(quarantine_s=0.0)
-    offer = pair.reserve(16)
-    assert offer is not None  # never answered: prefill died
-    pair.receiver.forget(16)
     stats = pair.receiver.stats()
     assert (stats.quarantined, stats.buffer_used) == (0, 0)
 
@@ -1100,7 +1091,7 @@ def test_a_room_reused_after_an_abort_gets_its_own_reservation(pairs: Callable[.
     and leaves the room's new request alone; two quarantined reservations of one room are
     both kept. Old: the second overwrote the first (never freed), and the old RELEASED
     failed the new request."""
-    pair = pairs(backend=CopyBackend(hold=True), quarantine_s=600.0)
+    pair = pairs(backend=CopyBackend(hold=True))
     old = pair.offer(15)
     pair.send(15, old, pair.pages(seed=34), [N_TOKENS])
     wait_for(lambda: bool(pair.backend.written()), "a write in the engine")
@@ -1405,3 +1396,98 @@ def test_a_corrupt_lossless_residual_fails_the_request(pairs: Callable[..., Pair
         residual[int(head[1])] = 7  # the first byte of part 1's body
     with pytest.raises(ReceiveIntegrityError, match=expected):
         pair.receiver.write_kv(62, torch.arange(N_TOKENS))
+
+
+# ---- bounded work before authentication; space reused only when quiet ------------------------
+
+
+def test_a_forged_huge_notice_is_dropped_unread(pairs: Callable[..., Pair]) -> None:
+    """An 8 MiB LANDED claiming 2M checksums, for no live reservation, is dropped and
+    counted before any of it is read. Old: parsed in full first (~80 MB, seconds, on the
+    thread that also carries upstream's status messages)."""
+    pair = pairs(checksums=True)
+    offer = pair.offer(60)
+    payload = struct.pack("<QQBBQI", 60, offer.nonce ^ 1, 0, 1, 0, 2 << 20) + bytes(8 << 20)
+    tracemalloc.start()
+    try:
+        pair.receiver.on_notice([TAG, NoticeKind.LANDED.value, payload])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert pair.receiver.stats().dropped_notices == {"oversized": 1}
+    assert pair.receiver.verdict(60, Upstream.PENDING) == (Verdict.WAIT, None)
+
+
+def test_a_landed_notice_is_read_only_as_far_as_its_plan_allows(pairs: Callable[..., Pair]) -> None:
+    """With the live nonce, a LANDED claiming more checksums than the request has segments
+    fails the request at once, its array unread. Old: dropped as malformed after trying to
+    read it; the request waited for its deadline."""
+    pair = pairs(checksums=True)
+    offer = pair.offer(61)
+    segments = len(RequestLayout.of(pair.handshake, N_TOKENS).segments)
+    payload = struct.pack("<QQBBQI", 61, offer.nonce, 0, 1, 0, segments + 1) + bytes(4 * segments)
+    pair.receiver.on_notice([TAG, NoticeKind.LANDED.value, payload])
+    verdict, reason = pair.receiver.verdict(61, Upstream.PENDING)
+    assert verdict is Verdict.FAIL
+    assert reason == (
+        f"prefill {PREFILL_ADDR} sent a Lynx notice this server cannot read: a LANDED notice "
+        f"with {segments + 1} checksums, this request has {segments} segments"
+    )
+
+
+def test_quarantined_space_returns_on_released_refusal_or_peer_death_never_on_a_timer(
+    pairs: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Old: quarantined space went back to the pool after 2x the deadline, whatever prefill's
+    engine still held for it."""
+    pair = pairs()
+    unanswered, released, refused, orphan = (pair.reserve(room) for room in (70, 71, 72, 73))
+    assert unanswered and released and refused and orphan
+    pair.receiver.on_notice(forged(NoticeKind.REJECT, 72, refused.nonce, text="no"))  # writes nothing
+    for room in (70, 71, 72):
+        pair.receiver.forget(room)
+    week = time.monotonic() + 7 * 24 * 3600.0
+    with monkeypatch.context() as later:
+        later.setattr(time, "monotonic", lambda: week)
+        stats = pair.receiver.stats()
+    size = request_nbytes(pair.handshake)
+    assert (stats.quarantined, stats.buffer_used) == (2, 3 * size)
+    pair.receiver.on_notice(forged(NoticeKind.RELEASED, 71, released.nonce))
+    assert pair.receiver.stats().quarantined == 1
+    pair.receiver.peer_lost(PREFILL_ADDR)  # upstream's heartbeat declared prefill dead
+    pair.receiver.forget(73)
+    stats = pair.receiver.stats()
+    assert (stats.quarantined, stats.buffer_used) == (0, 0)
+
+
+def test_anchor_bytes_changed_after_the_first_decode_fail_the_refinement(pairs: Callable[..., Pair]) -> None:
+    """Speculative mode re-reads the Anchor when the Residual lands: a write that changed it
+    in between must not reach the KV. Old: the refine trusted the first check."""
+    pair = pairs(checksums=True, mode="speculative", residual_hold_s=0.5)
+    offer = pair.offer(53)
+    pair.send(53, offer, pair.pages(seed=38), [N_TOKENS])
+    pair.wait_verdict(53, Verdict.READY)
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.write_kv(53, dst) is False
+    pair.receive_buffer[offer.anchor_addr - pair.receive_buffer.data_ptr() + 7] ^= 1
+    wait_for(lambda: pair.receiver.residual_verdict(53)[0] is Verdict.READY, "the Residual")
+    with pytest.raises(ReceiveIntegrityError, match=r"the Anchor bytes of tokens \[0, 256\) do not match"):
+        pair.receiver.write_kv(53, dst)
+
+
+def test_a_corrupt_scale_writes_no_row_without_checksums(pairs: Callable[..., Pair]) -> None:
+    """Checksums off: a non-finite scale in the last segment. Old: the first two segments
+    were written into the request's KV rows before it raised."""
+    pair = pairs()
+    offer = pair.offer(54)
+    pair.send(54, offer, pair.pages(seed=39), [N_TOKENS])
+    pair.wait_verdict(54, Verdict.READY)
+    plan = RequestLayout.of(pair.handshake, N_TOKENS)
+    anchor = plan.byte_ranges(plan.segments[2])[0]
+    base = offer.anchor_addr - pair.receive_buffer.data_ptr()
+    pair.receive_buffer[base + anchor.start : base + anchor.stop] = 0xFF  # NaN parameters
+    with pytest.raises(ReceiveIntegrityError, match=r"tokens \[512, 600\): corrupt anchor"):
+        pair.receiver.write_kv(54, torch.arange(N_TOKENS))
+    assert all(not k.any() for k in pair.decode_k)
+    assert all(not v.any() for v in pair.decode_v)

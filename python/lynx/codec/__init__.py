@@ -3,7 +3,7 @@ group minimum and scale) and a Residual (the original words, coded losslessly ag
 Anchor; or the remaining bits of an INT8 code).
 
 Public API: ``CodecConfig``, ``encode``/``decode`` (tensors), ``KVLayout``,
-``segment_nbytes``, ``encode_pages``/``decode_pages`` (SGLang-style KV pool),
+``segment_nbytes``, ``encode_pages``/``decode_pages``/``check_pages`` (SGLang-style KV pool),
 ``residual_nbytes_of`` (the travelling length of a segment's Residual), ``warm_up``
 (load the native codec before the first request), the wire
 format (``WIRE_VERSION``, ``CodecConfig.to_wire``/``from_wire``, ``KVLayout.to_wire``)
@@ -21,7 +21,7 @@ from .format import (
     WireMismatchError,
     segment_nbytes,
 )
-from .pages import decode_pages, encode_pages, kv_layout_of, residual_nbytes_of
+from .pages import check_pages, decode_pages, encode_pages, kv_layout_of, residual_nbytes_of
 
 __all__ = [
     "WIRE_VERSION",
@@ -31,6 +31,7 @@ __all__ = [
     "Encoded",
     "KVLayout",
     "WireMismatchError",
+    "check_pages",
     "decode",
     "decode_pages",
     "encode",

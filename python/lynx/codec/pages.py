@@ -210,6 +210,20 @@ def _residual_head(
     return used, ends
 
 
+def check_pages(
+    anchor: torch.Tensor,
+    residual: torch.Tensor | None,
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    config: CodecConfig,
+) -> None:
+    """What :func:`decode_pages` checks before it writes a row (sizes, every group's
+    minimum and scale, a lossless Residual's head), writing nothing: a caller decoding a
+    request's segments checks them all before it writes any."""
+    _checked_parts(anchor, residual, k_buffers, v_buffers, slots, config)
+
+
 def decode_pages(
     anchor: torch.Tensor,
     residual: torch.Tensor | None,
@@ -222,31 +236,49 @@ def decode_pages(
 
     ``residual=None``: Anchor-only values; with the Residual (the segment's whole Residual
     space, ``segment_nbytes`` long): full precision, bit-exact with ``residual="exact"``.
-    Everything is validated before the first row is written: sizes and parameters first,
-    a lossless Residual's every part as it decodes.
+    Everything is validated before the first row is written: sizes and parameters first
+    (:func:`check_pages`), a lossless Residual's every part as it decodes.
     """
+    layout, parts = _checked_parts(anchor, residual, k_buffers, v_buffers, slots, config)
+    if not parts:
+        return
+    buffers = {"key": k_buffers, "value": v_buffers}
+    backend.decode_parts(
+        [
+            PartIO(buffers[kind][layer].view(-1, layout.channels), kind, part_anchor, body)
+            for layer, kind, part_anchor, body, _ in parts
+        ],
+        slots,
+        config,
+        [where for *_, where in parts],
+    )
+
+
+def _checked_parts(
+    anchor: torch.Tensor,
+    residual: torch.Tensor | None,
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    config: CodecConfig,
+) -> tuple[KVLayout, list[tuple[int, Kind, torch.Tensor, torch.Tensor | None, str]]]:
+    """The pool's layout and each part's (layer, kind, Anchor bytes, Residual body, name),
+    after checking everything that can be checked before decoding; no parts if no slots."""
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor, residual)
     n = slots.numel()
     parts = list(_parts(layout, n, config))
     if not n:
-        return
+        return layout, []
     bodies: list[torch.Tensor | None] = [None if residual is None else residual[r] for _, _, _, r in parts]
     if residual is not None and config.residual_is_variable:
         _, ends = _residual_head(residual, n, layout, config)
         starts = [residual_header_nbytes(layout), *ends[:-1]]
         bodies = [residual[start:end] for start, end in zip(starts, ends, strict=True)]
-    wheres = [f"layer {layer} {kind}s" for layer, kind, _, _ in parts]
-    for (_, kind, anchor_range, _), body, where in zip(parts, bodies, wheres, strict=True):
+    checked = []
+    for (layer, kind, anchor_range, _), body in zip(parts, bodies, strict=True):
+        where = f"layer {layer} {kind}s"
         backend.check_part_buffers(
             anchor[anchor_range], body, n, layout.channels, kind, config, layout.dtype, where
         )
-    buffers = {"key": k_buffers, "value": v_buffers}
-    backend.decode_parts(
-        [
-            PartIO(buffers[kind][layer].view(-1, layout.channels), kind, anchor[anchor_range], body)
-            for (layer, kind, anchor_range, _), body in zip(parts, bodies, strict=True)
-        ],
-        slots,
-        config,
-        wheres,
-    )
+        checked.append((layer, kind, anchor[anchor_range], body, where))
+    return layout, checked

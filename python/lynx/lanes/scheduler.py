@@ -198,7 +198,7 @@ class _Peer:
         # The engine's first write to a peer opens it (a handshake) under a mutex that every
         # submit takes, for as long as the peer does not answer: a frozen peer would stall
         # all peers, forever. So a peer is probed first, on a helper thread, and gets writes
-        # only once it has answered.
+        # only once it has answered; again after a write to it failed.
         self.probing = False
         self.opened = False
         self.drain = DrainRate()
@@ -742,6 +742,9 @@ class LaneScheduler:
                 recorder.chunks += 1
             else:
                 recorder.chunks_failed += 1
+                # The peer may have died, and a new process may take its session name
+                # (host:port): probe that name again before its next write, as a new peer.
+                request.peer.opened = False
             if stream.state is not StreamState.OPEN:
                 continue  # the request was aborted or failed while this write was in flight
             if state is BatchState.DONE:

@@ -111,6 +111,9 @@ SEGMENT_TOKENS = 256
 """Tokens per encoded segment: a multiple of every allowed ``key_block`` (<= 256)."""
 CHECKSUM_BLOCK_WORDS = 1024
 """32-bit words per weighted block of :func:`span_checksum` (4 KiB)."""
+NOTICE_TEXT_MAX = 4096
+"""Most bytes of a notice's free-form part (an ACCEPT's handshake, a REJECT's reason, a
+LANDED's error) that a receiver reads: a sender cuts longer text."""
 
 _MODE_CODES: dict[Mode, int] = {Mode.FULL: 0, Mode.ANCHOR_ONLY: 1, Mode.SPECULATIVE: 2}
 # Magic, version and mode lead in every protocol version, so that any peer's version is
@@ -323,32 +326,56 @@ class Notice:
 
     def to_frames(self) -> list[bytes]:
         head = _RESERVATION.pack(self.room, self.nonce)
+        # whole UTF-8 characters, at most NOTICE_TEXT_MAX bytes: what a receiver reads
+        text = self.text.encode()[:NOTICE_TEXT_MAX].decode(errors="ignore").encode()
         if self.kind is NoticeKind.ACCEPT:
             payload = head + self.handshake
         elif self.kind is NoticeKind.REJECT:
-            payload = head + self.text.encode()
+            payload = head + text
         elif self.kind is NoticeKind.LANDED:
             landed = _LANDED.pack(
                 self.room, self.nonce, int(self.stream), int(self.ok), self.nbytes, len(self.checksums)
             )
             checksums = b"".join(_CHECKSUM.pack(c) for c in self.checksums)
-            payload = landed + checksums + self.text.encode()
+            payload = landed + checksums + text
         else:
             payload = head
         return [TAG, self.kind.value, payload]
 
-    @classmethod
-    def from_frames(cls, frames: list[bytes]) -> Notice:
+    @staticmethod
+    def head_of(frames: list[bytes]) -> tuple[NoticeKind, int, int]:
+        """(kind, room, nonce) of a notice, from its fixed head alone: nothing of its
+        variable part is read, so that a notice is authenticated before it is parsed."""
         if len(frames) != 3 or frames[0] != TAG:
             raise ProtocolError(f"not a Lynx notice ({len(frames)} frames)")
         try:
             kind = NoticeKind(frames[1])
         except ValueError:
             raise ProtocolError(f"unknown Lynx notice {frames[1]!r}") from None
+        if len(frames[2]) < _RESERVATION.size:
+            raise ProtocolError(f"malformed Lynx {kind.name} notice")
+        room, nonce = _RESERVATION.unpack_from(frames[2])
+        return kind, room, nonce
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes], max_checksums: int | None = None) -> Notice:
+        """The whole notice. ``max_checksums``: the most checksums its reservation's plan
+        allows; a notice longer than :func:`notice_nbytes_max` of it, or a LANDED claiming
+        more, raises ProtocolError before any of its variable part is read."""
+        kind, _, _ = cls.head_of(frames)
         payload = frames[2]
+        if max_checksums is not None and len(payload) > notice_nbytes_max(max_checksums):
+            raise ProtocolError(
+                f"a {kind.name} notice of {len(payload)} bytes, at most "
+                f"{notice_nbytes_max(max_checksums)} for this reservation"
+            )
         try:
             if kind is NoticeKind.LANDED:
                 room, nonce, stream, ok, nbytes, count = _LANDED.unpack_from(payload)
+                if max_checksums is not None and count > max_checksums:
+                    raise ProtocolError(
+                        f"a LANDED notice with {count} checksums, this request has {max_checksums} segments"
+                    )
                 end = _LANDED.size + count * _CHECKSUM.size
                 if len(payload) < end:
                     raise struct.error("checksums beyond the payload")
@@ -366,6 +393,8 @@ class Notice:
                 )
             room, nonce = _RESERVATION.unpack_from(payload)
             rest = payload[_RESERVATION.size :]
+        except ProtocolError:
+            raise
         except (struct.error, ValueError, UnicodeDecodeError):
             raise ProtocolError(f"malformed Lynx {kind.name} notice") from None
         if kind is NoticeKind.ACCEPT:
@@ -377,6 +406,11 @@ class Notice:
 
 def is_notice(frames: list[bytes]) -> bool:
     return bool(frames) and frames[0] == TAG
+
+
+def notice_nbytes_max(checksums: int) -> int:
+    """The longest legal payload of a notice carrying at most ``checksums`` checksums."""
+    return _LANDED.size + checksums * _CHECKSUM.size + NOTICE_TEXT_MAX
 
 
 @dataclass(frozen=True)
@@ -482,6 +516,14 @@ class RequestLayout:
         anchor = sum(head) + middle[0] + sum(tail)
         sends_residual = handshake.mode.sends_residual and until < n_tokens
         return {Stream.ANCHOR: anchor, Stream.RESIDUAL: middle[1] if sends_residual else 0}
+
+    @staticmethod
+    def most_segments(handshake: Handshake, nbytes: int) -> int:
+        """The most segments of a request whose receive space fits in ``nbytes``: every
+        segment but the last and the (at most four) beside the two protection bounds is
+        SEGMENT_TOKENS long, and its Anchor alone takes a full segment's Anchor bytes."""
+        full = segment_nbytes(handshake.layout, SEGMENT_TOKENS, handshake.codec)[0]
+        return nbytes // full + 5
 
     @property
     def protects_all(self) -> bool:

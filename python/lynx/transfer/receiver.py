@@ -12,9 +12,11 @@ ended are expected and dropped silently.
 
 Receive space is reused only when no write to it can still arrive: right after decoding
 if every stream the request's transfer sends has landed, otherwise (a failed or aborted
-request) once prefill says ``RELEASED`` with the reservation's nonce, or after
-``quarantine_s`` if it never does (a dead prefill writes nothing more). Quarantine is
-kept per reservation, so a room reused by a later request neither frees nor loses it.
+request) once prefill says ``RELEASED`` with the reservation's nonce, at once if prefill
+refused the offer (``REJECT``: it writes nothing), or when prefill is declared dead
+(:meth:`ProgressiveReceiver.peer_lost`, upstream's heartbeat), never on a timer alone: a
+prefill that is slow, not dead, may still write. Quarantine is kept per reservation, so a
+room reused by a later request neither frees nor loses it.
 
 Before landed bytes go into the KV pool, every segment range they come from is checked
 against the checksum prefill sent for it (:func:`lynx.transfer.protocol.span_checksum`;
@@ -27,14 +29,13 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from lynx.codec import CodecInputError, decode_pages
+from lynx.codec import CodecInputError, check_pages, decode_pages
 from lynx.mode import Mode
 from lynx.transfer.arena import arena_over
 from lynx.transfer.protocol import (
@@ -48,6 +49,7 @@ from lynx.transfer.protocol import (
     append_offer,
     checksum_values,
     is_notice,
+    notice_nbytes_max,
     span_checksum,
 )
 from lynx.transfer.receive_state import STREAM_NAMES, ReceiveState, ReceiveTracker, Upstream, Verdict
@@ -77,7 +79,7 @@ class ReceiverStats:
     buffer_used: int
     anchor_bytes: int
     residual_bytes: int
-    # reason ("malformed", "unknown_reservation") -> notices dropped since start
+    # reason ("oversized", "malformed", "unknown_reservation") -> notices dropped since start
     dropped_notices: dict[str, int] = field(default_factory=dict)
 
 
@@ -118,7 +120,6 @@ class ProgressiveReceiver:
         v_buffers: Sequence[torch.Tensor],
         handshake: Handshake,
         deadline_s: float,
-        quarantine_s: float | None = None,
         on_dropped: Callable[[str], None] | None = None,
     ) -> None:
         """``on_dropped(reason)`` is called (on the message thread) for each notice dropped."""
@@ -127,15 +128,17 @@ class ProgressiveReceiver:
         self._buffer = buffer
         self._k, self._v = list(k_buffers), list(v_buffers)
         self._deadline_s = deadline_s
-        self._quarantine_s = 2 * deadline_s if quarantine_s is None else quarantine_s
         self._on_dropped = on_dropped
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
-        # reservation (room, nonce) -> (offset, expiry)
-        self._quarantine: dict[tuple[int, int], tuple[int, float]] = {}
+        # reservation (room, nonce) -> (offset, prefill), until it says RELEASED or dies
+        self._quarantine: dict[tuple[int, int], tuple[int, str]] = {}
         self._ended: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._dropped: dict[str, int] = {}
         self._landed_bytes = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        # No request that fits the buffer sends a longer notice: one is dropped unread.
+        self._notice_max = notice_nbytes_max(RequestLayout.most_segments(handshake, self._arena.capacity))
+        self._oversized_logged = False
 
     @property
     def mode(self) -> Mode:
@@ -164,7 +167,6 @@ class ProgressiveReceiver:
     def reserve(self, room: int) -> Offer | None:
         """Receive space for the registered request of ``room``, as the offer to send with
         its metadata; None while no space is free (call again later)."""
-        self._expire_quarantine()
         with self._lock:
             state = self._rooms[room]
             if state.offer is not None:
@@ -203,17 +205,31 @@ class ProgressiveReceiver:
         return True
 
     def on_notice(self, frames: list[bytes]) -> None:
+        """Apply a notice to its live reservation. Only its fixed head is read before its
+        (room, nonce) is found live, the rest only as far as the request's plan allows;
+        a notice longer than any request this buffer holds could send is dropped unread."""
+        if len(frames) == 3 and len(frames[2]) > self._notice_max:
+            if not self._oversized_logged:
+                self._oversized_logged = True
+                log.warning(
+                    "Lynx: dropping a notice of %d bytes unread, at most %d are legal (logged once; "
+                    "counted as oversized)",
+                    len(frames[2]),
+                    self._notice_max,
+                )
+            self._drop("oversized")
+            return
         try:
-            notice = Notice.from_frames(frames)
+            kind, room, nonce = Notice.head_of(frames)
         except ProtocolError as exc:
             log.warning("Lynx: dropping a notice: %s", exc)
             self._drop("malformed")
             return
-        reservation = (notice.room, notice.nonce)
+        reservation = (room, nonce)
         with self._lock:
-            state = self._rooms.get(notice.room)
-            live = state is not None and state.nonce == notice.nonce
-            if notice.kind is NoticeKind.RELEASED:
+            state = self._rooms.get(room)
+            live = state is not None and state.nonce == nonce
+            if kind is NoticeKind.RELEASED:
                 held = self._quarantine.pop(reservation, None)
                 if held is not None:
                     self._arena.free(held[0])
@@ -228,16 +244,22 @@ class ProgressiveReceiver:
             elif live:
                 assert state is not None
                 tracker = state.tracker
+                checksums = len(state.plan.segments) if self.handshake.checksums else 0
+                try:
+                    notice = Notice.from_frames(frames, checksums)
+                except ProtocolError as exc:  # its nonce says it is prefill's: the request fails
+                    tracker.fail(f"prefill {state.peer} sent a Lynx notice this server cannot read: {exc}")
+                    return
                 landed = notice.kind is NoticeKind.LANDED and notice.stream not in tracker.landed
+                if notice.kind is NoticeKind.REJECT:
+                    state.released = True  # prefill refused the offer: it writes nothing to it
                 tracker.on_notice(notice, state.peer)
                 if landed and notice.stream in tracker.landed:
                     self._landed_bytes[notice.stream] += notice.nbytes
                 return
             elif reservation in self._ended:
                 return  # late for a request that ended
-        log.debug(
-            "Lynx: dropping a %s notice for room %s: no such reservation", notice.kind.name, notice.room
-        )
+        log.debug("Lynx: dropping a %s notice for room %s: no such reservation", kind.name, room)
         self._drop("unknown_reservation")
 
     def _drop(self, reason: str) -> None:
@@ -273,10 +295,11 @@ class ProgressiveReceiver:
         landed, which rewrites the unprotected rows at full precision. Returns whether
         every row now holds its full-precision (Anchor + Residual) value. Raises
         ReceiveIntegrityError, before any row is written, if the bytes to decode are not
-        the ones prefill checksummed (with checksums on) or not as many as landed; and
-        for a segment whose lossless Residual does not decode (a corrupt code, a
-        non-finite word), before any row of that segment is written (earlier segments
-        then hold their exact values, the request fails)."""
+        the ones prefill checksummed (with checksums on; the Anchor's again when the
+        refinement re-reads it), not as many as landed, or hold a corrupt size or group
+        parameter (any segment's); and for a segment whose lossless Residual does not
+        decode (a corrupt code, a non-finite word), before any row of that segment is
+        written (earlier segments then hold their exact values, the request fails)."""
         with self._lock:
             state = self._rooms[room]
             plan, offset = state.plan, state.offset
@@ -291,26 +314,30 @@ class ProgressiveReceiver:
             raise ValueError(f"room {room}: {slots.numel()} KV slots for {plan.n_tokens} tokens")
         slots = slots.to(self._k[0].device)
         space = self._buffer[offset : offset + plan.receive_nbytes]
-        # The Anchor stream is decoded once (with the protected tokens' Residual), the
-        # Residual stream once it landed.
-        wanted = {Stream.ANCHOR: not rewrite, Stream.RESIDUAL: landed}
-        streams = [stream for stream in plan.streams if wanted[stream]]
+        # The Anchor stream is read at every write, the refinement included (a write into
+        # the space since the first check must not reach the KV), the Residual stream once
+        # it landed.
+        streams = [stream for stream in plan.streams if stream is Stream.ANCHOR or landed]
         self._check_landed(room, plan, space, streams, checksums, landed_nbytes)
-        for seg in plan.segments:
-            if seg.protected and rewrite:
-                continue  # at full precision since the Anchor landed
-            anchor_bytes, residual_bytes = plan.byte_ranges(seg)
-            try:
-                decode_pages(
-                    space[anchor_bytes],
-                    space[residual_bytes] if seg.protected or landed else None,
-                    self._k,
-                    self._v,
-                    slots[seg.start : seg.end],
-                    self.handshake.codec,
-                )
-            except CodecInputError as exc:  # a corrupt lossless Residual: nothing of this segment written
-                raise ReceiveIntegrityError(f"room {room}, tokens [{seg.start}, {seg.end}): {exc}") from exc
+        # Protected segments are at full precision since the Anchor landed.
+        segments = [seg for seg in plan.segments if not (seg.protected and rewrite)]
+        # Every segment's sizes and parameters first (with checksums off nothing else
+        # vouches for them), then the rows: a corrupt one leaves none of them written.
+        for write in (check_pages, decode_pages):
+            for seg in segments:
+                anchor_bytes, residual_bytes = plan.byte_ranges(seg)
+                try:
+                    write(
+                        space[anchor_bytes],
+                        space[residual_bytes] if seg.protected or landed else None,
+                        self._k,
+                        self._v,
+                        slots[seg.start : seg.end],
+                        self.handshake.codec,
+                    )
+                except CodecInputError as exc:  # nothing of this segment written
+                    where = f"room {room}, tokens [{seg.start}, {seg.end})"
+                    raise ReceiveIntegrityError(f"{where}: {exc}") from exc
         refined = landed or plan.protects_all
         with self._lock:
             state.decoded = True
@@ -371,8 +398,21 @@ class ProgressiveReceiver:
                 if tracker.state is ReceiveState.COMPLETE or state.released:
                     self._arena.free(state.offset)
                 else:  # prefill may still write into it
-                    self._quarantine[reservation] = (state.offset, time.monotonic() + self._quarantine_s)
+                    self._quarantine[reservation] = (state.offset, state.peer)
         return _report_of(tracker)
+
+    def peer_lost(self, peer: str) -> None:
+        """Prefill ``peer`` was declared dead (upstream's heartbeat): its engine writes
+        nothing more, so the space it may have written is free, now or when its live
+        requests are forgotten."""
+        with self._lock:
+            for reservation, (offset, owner) in list(self._quarantine.items()):
+                if owner == peer:
+                    del self._quarantine[reservation]
+                    self._arena.free(offset)
+            for state in self._rooms.values():
+                if state.peer == peer and state.offer is not None:  # a later offer may be written
+                    state.released = True
 
     def report(self, room: int) -> RoomReport | None:
         """What the request's transfer cost so far (it keeps its receive space)."""
@@ -381,7 +421,6 @@ class ProgressiveReceiver:
             return None if state is None else _report_of(state.tracker)
 
     def stats(self) -> ReceiverStats:
-        self._expire_quarantine()
         with self._lock:
             return ReceiverStats(
                 rooms=len(self._rooms),
@@ -393,14 +432,6 @@ class ProgressiveReceiver:
                 residual_bytes=self._landed_bytes[Stream.RESIDUAL],
                 dropped_notices=dict(self._dropped),
             )
-
-    def _expire_quarantine(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for reservation, (offset, expiry) in list(self._quarantine.items()):
-                if now >= expiry:
-                    del self._quarantine[reservation]
-                    self._arena.free(offset)
 
 
 def _report_of(tracker: ReceiveTracker) -> RoomReport:
