@@ -142,7 +142,7 @@ def test_a_stopped_lanes_driver_fails_waiting_and_new_rooms_alone(pairs: Callabl
 def test_a_room_aborted_before_its_first_chunk_releases_decode_at_once(pairs: Callable[..., Pair]) -> None:
     """Old: a request aborted before prefill's first chunk left no state on prefill, so no
     RELEASED came and decode's space stayed quarantined for twice the deadline."""
-    pair = pairs(quarantine_s=600.0)
+    pair = pairs()
     offer = pair.offer(9)  # accepted, never started
     pair.receiver.forget(9)  # decode aborted it: its space waits for RELEASED
     assert pair.receiver.stats().quarantined == 1
@@ -184,7 +184,7 @@ def test_a_room_reused_while_its_previous_transfer_drains_is_refused(pairs: Call
     (the room's state was the old, closed transfer's); decode failed at the deadline,
     blaming a stalled prefill."""
     backend = CopyBackend(hold=True)
-    pair = pairs(backend=backend, quarantine_s=600.0)
+    pair = pairs(backend=backend)
     old = pair.offer(13)
     pair.send(13, old, pair.pages(seed=13), [N_TOKENS])
     wait_for(lambda: bool(backend.written()), "a write in the engine")

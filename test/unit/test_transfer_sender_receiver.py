@@ -1135,11 +1135,15 @@ def test_prefill_answers_offers_only_for_its_own_requests(pairs: Callable[..., P
     pair.sender.open_room(22)
     assert pair.sender.size_room(22, N_TOKENS) is None
     assert pair.sender.take_offer(22, second.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) == second
-    # a second offer for a room is dropped, the first answer stands
+    # a second offer for a room is refused, saying why; the first answer stands, and the
+    # same offer sent again is not answered twice
     assert pair.sender.take_offer(22, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) is None
-    assert pair.kinds(22) == [NoticeKind.ACCEPT]
+    assert pair.sender.take_offer(22, second.to_wire(), DECODE_ENDPOINT, DECODE_SESSION) is None
+    assert pair.kinds(22) == [NoticeKind.ACCEPT, NoticeKind.REJECT]
+    assert pair.notices[-1].nonce == offer.nonce
+    assert pair.notices[-1].text == "another offer for room 22 (bootstrap_room) came first"
     stats = pair.sender.stats()
-    assert (stats.offers_waiting, stats.dropped_offers) == (1, {"duplicate": 1})
+    assert (stats.offers_waiting, stats.dropped_offers) == (1, {"duplicate": 2})
     assert pair.kinds(21) == []
 
 
@@ -1153,7 +1157,14 @@ def test_offers_for_rooms_without_a_request_are_bounded(pairs: Callable[..., Pai
     pair.sender.open_room(30)
     assert pair.sender.size_room(30, N_TOKENS) is None  # nothing left to answer
     assert "sent no Lynx offer" in (pair.sender.refusal(30) or "")
-    assert pair.kinds(30) == []
+    # decode hears why, and its space comes back: no write of prefill's can reach it
+    assert pair.kinds(30) == [NoticeKind.REJECT]
+    assert pair.receiver.residual_verdict(30) == (
+        Verdict.FAIL,
+        "prefill 10.0.0.1:8998 refused the Lynx transfer: no request for room 30 came while its offer waited",
+    )
+    pair.receiver.forget(30)
+    assert pair.receiver.stats().quarantined == 0
 
     flood = pairs()
     for room in range(1000, 1000 + 4097):
@@ -1164,7 +1175,10 @@ def test_offers_for_rooms_without_a_request_are_bounded(pairs: Callable[..., Pai
     assert flood.sender.size_room(1000, N_TOKENS) is None
     flood.sender.open_room(1001)
     assert isinstance(flood.sender.size_room(1001, N_TOKENS), Offer)
-    assert flood.kinds(1000) == []
+    assert flood.kinds(1000) == [NoticeKind.REJECT]
+    assert flood.notices[0].text == (
+        "more than 4096 offers waited for rooms with no request; the oldest, for room 1000, is dropped"
+    )
 
 
 @pytest.mark.parametrize("prefill_tokens", [N_TOKENS - 1, N_TOKENS + 256])

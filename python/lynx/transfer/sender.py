@@ -74,6 +74,15 @@ _NO_OFFER = (
 # a replayed offer of one is refused.
 _ENDED_KEPT = 1 << 16
 _EARLY_OFFERS_KEPT = 4096  # offers for rooms this server has no request for (yet)
+# What decode hears when prefill drops its offer unanswered, by reason.
+_DROPPED_OFFER = {
+    "duplicate": "another offer for room {room} (bootstrap_room) came first",
+    "overflow": (
+        f"more than {_EARLY_OFFERS_KEPT} offers waited for rooms with no request; the oldest, "
+        "for room {room}, is dropped"
+    ),
+    "expired": "no request for room {room} came while its offer waited",
+}
 
 
 def page_slots(pages: np.ndarray | torch.Tensor, page_size: int) -> torch.Tensor:
@@ -195,20 +204,25 @@ class ProgressiveSender:
         length (:meth:`size_room`); returns the answer if that is now, else None."""
         now = time.monotonic()
         held = _HeldOffer(offer_bytes, endpoint, session, now)
-        with self._lock:
-            self._expire_offers(now)
-            if room in self._answers or room in self._offers or room in self._early_offers:
-                self._drop_offer(room, "duplicate")
-                return None
-            if room not in self._requests:
-                self._early_offers[room] = held
-                if len(self._early_offers) > _EARLY_OFFERS_KEPT:
-                    self._drop_offer(self._early_offers.popitem(last=False)[0], "overflow")
-                return None
-            n_tokens = self._requests[room]
-            if n_tokens is None:
-                self._offers[room] = held
-                return None
+        dropped: list[tuple[int, _HeldOffer, str]] = []
+        try:
+            with self._lock:
+                dropped += self._expire_offers(now)
+                if room in self._answers or room in self._offers or room in self._early_offers:
+                    dropped.append((room, held, "duplicate"))
+                    return None
+                if room not in self._requests:
+                    self._early_offers[room] = held
+                    if len(self._early_offers) > _EARLY_OFFERS_KEPT:
+                        dropped.append((*self._early_offers.popitem(last=False), "overflow"))
+                    return None
+                n_tokens = self._requests[room]
+                if n_tokens is None:
+                    self._offers[room] = held
+                    return None
+        finally:
+            for dropped_room, dropped_offer, reason in dropped:
+                self._drop_offer(dropped_room, dropped_offer, reason)
         return self._answer(room, held, n_tokens)
 
     def open_room(self, room: int) -> None:
@@ -308,18 +322,40 @@ class ProgressiveSender:
                 return f"{where} offered reservation {offer.nonce:#x} of room {room} again, after it ended"
         return None
 
-    def _expire_offers(self, now: float) -> None:
-        """Drop (lock held) offers that waited ``offer_wait_s`` for a request."""
+    def _expire_offers(self, now: float) -> list[tuple[int, _HeldOffer, str]]:
+        """Take (lock held) the offers that waited ``offer_wait_s`` for a request, to drop."""
+        expired = []
         while self._early_offers:
             room, held = next(iter(self._early_offers.items()))
             if now - held.arrived < self._offer_wait_s:
-                return
+                break
             del self._early_offers[room]
-            self._drop_offer(room, "expired")
+            expired.append((room, held, "expired"))
+        return expired
 
-    def _drop_offer(self, room: int, reason: str) -> None:
-        log.warning("Lynx: dropping decode's offer for room %s unanswered (%s)", room, reason)
-        self._dropped_offers[reason] = self._dropped_offers.get(reason, 0) + 1
+    def _drop_offer(self, room: int, held: _HeldOffer, reason: str) -> None:
+        """Refuse (lock not held) an offer this server will not answer otherwise: decode's
+        request fails saying why, and its receive space, which no write of ours can reach,
+        is free at once (decode frees a reservation's space only on word from prefill)."""
+        log.warning("Lynx: dropping decode's offer for room %s (%s)", room, reason)
+        with self._lock:
+            self._dropped_offers[reason] = self._dropped_offers.get(reason, 0) + 1
+            live = self._answers.get(room)
+            waiting = self._offers.get(room) or self._early_offers.get(room)
+        if held.offer_bytes is None:
+            return  # decode runs without Lynx: it reads no notice
+        try:
+            offer = Offer.from_wire(held.offer_bytes)
+        except ProtocolError:
+            return  # no nonce to answer with
+        nonces = {
+            Offer.from_wire(waiting.offer_bytes).nonce if waiting and waiting.offer_bytes else None,
+            live[2].nonce if isinstance(live, tuple) else None,
+        }
+        if offer.nonce in nonces:
+            return  # the offer being answered, sent again: refusing it would fail its request
+        text = _DROPPED_OFFER[reason].format(room=room)
+        self._notify(held.endpoint, Notice(NoticeKind.REJECT, room, offer.nonce, text=text).to_frames())
 
     def refusal(self, room: int) -> str | None:
         """Why ``room`` cannot be sent with Lynx (no offer came, or it was refused); None
@@ -614,7 +650,9 @@ class ProgressiveSender:
         while not self._stop.wait(0.02):
             self._submit_due()
             with self._lock:
-                self._expire_offers(time.monotonic())
+                expired = self._expire_offers(time.monotonic())
+            for room, held, reason in expired:
+                self._drop_offer(room, held, reason)
             with self._lock:
                 candidates = list(self._releasing)
             for room in candidates:
