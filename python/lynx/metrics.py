@@ -38,7 +38,8 @@ class LynxMetrics:
         self.failures = Counter("lynx_transfer_failures", "Requests whose Lynx transfer failed", names)
         self.dropped = Counter(
             "lynx_dropped_notices",
-            "Prefill notices dropped: malformed, or for no live reservation (room and nonce)",
+            "Prefill notices dropped (reason): malformed, oversized, unsigned, bad_signature, "
+            "unknown_reservation",
             [*names, "reason"],
         )
         self.held = Counter("lynx_held_tokens", "Tokens decoded on Anchor KV and held back", names)

@@ -3,7 +3,9 @@
 The launcher parses ``--lynx*`` flags into :class:`LynxSettings`; SGLang's scheduler and
 detokenizer run in spawned subprocesses that rebuild ``ServerArgs`` from dataclass
 fields only, so the settings travel in the environment variable :data:`SETTINGS_ENV`
-(JSON), which subprocesses inherit.  The bytes a peer must agree on are the codec's
+(JSON), which subprocesses inherit. The auth key travels as the path of its file only
+(:meth:`LynxSettings.auth_key` reads it in each process): the settings' JSON is in every
+subprocess's environment and in the log.  The bytes a peer must agree on are the codec's
 handshake (:meth:`lynx.codec.CodecConfig.to_wire`, from :meth:`LynxSettings.codec_config`).
 """
 
@@ -14,6 +16,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,8 +25,11 @@ from lynx.codec.format import KeyLayout
 from lynx.codec.format import Residual as ResidualMode
 from lynx.lanes.scheduler import MAX_DEADLINE_S, LaneConfig
 from lynx.mode import Mode
+from lynx.transfer.auth import AuthKey
 
 SETTINGS_ENV = "LYNX_SETTINGS"
+AUTH_KEY_ENV = "LYNX_AUTH_KEY_FILE"
+"""Where ``--lynx-auth-key-file`` is read from when the flag is not given."""
 
 PD_MODES = ("prefill", "decode")
 # "mooncake_tcp" is upstream's spelling for Mooncake with the TCP transport forced.
@@ -51,6 +57,9 @@ _MAX_LANE_CHUNK = LaneConfig().low_chunk_max_bytes
 # Held tokens are verified one decode step each; a window of thousands is a typo, and
 # would keep a request's tokens unconfirmed for as many steps.
 _MAX_SPECULATIVE_TOKENS = 1024
+# An HMAC key shorter than this is guessable; a key file longer than the largest is not one.
+_MIN_KEY_BYTES = 16
+_MAX_KEY_BYTES = 4096
 # What each kind of setting must be, by the type of its default (bool before int: a bool
 # is an int to isinstance); a number may be written as an integer.
 _KINDS: dict[type, tuple[str, tuple[type, ...]]] = {
@@ -107,6 +116,9 @@ class LynxSettings:
     # demand, for tests, demos and fault drills. 0 in production.
     anchor_hold_s: float = 0.0
     residual_hold_s: float = 0.0
+    # A file holding the key both servers sign their Lynx messages with ("": none). Paired:
+    # its id is part of the handshake.
+    auth_key_file: str = ""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -171,6 +183,35 @@ class LynxSettings:
             what, allowed = next(kind for cls, kind in _KINDS.items() if isinstance(field.default, cls))
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
                 raise LynxSettingsError(f"{flag_of(field.name)} must be {what}, got {value!r}")
+
+    def auth_key(self) -> AuthKey | None:
+        """The key in :attr:`auth_key_file` (None without one), its surrounding whitespace
+        (a trailing newline) not part of it. LynxSettingsError naming the flag for a file
+        that cannot be read, is not a regular file, holds fewer than 16 or more than 4096
+        bytes, or that users other than its owner and group may read or write."""
+        path = self.auth_key_file
+        if not path:
+            return None
+        where = f"{flag_of('auth_key_file')} {path}"
+        try:
+            with open(path, "rb") as file:
+                mode = os.fstat(file.fileno()).st_mode
+                if not stat.S_ISREG(mode):
+                    raise LynxSettingsError(f"{where}: not a regular file")
+                secret = file.read(_MAX_KEY_BYTES + 1)
+        except OSError as exc:
+            raise LynxSettingsError(f"{where}: cannot read it ({exc.strerror})") from None
+        if mode & 0o007:
+            raise LynxSettingsError(
+                f"{where}: other users may read or write it (mode {stat.S_IMODE(mode):o}); chmod o-rwx {path}"
+            )
+        secret = secret.strip()
+        if not _MIN_KEY_BYTES <= len(secret) <= _MAX_KEY_BYTES:
+            raise LynxSettingsError(
+                f"{where}: a key is {_MIN_KEY_BYTES}..{_MAX_KEY_BYTES} bytes, the file holds "
+                f"{len(secret)} (not counting surrounding whitespace); e.g. head -c 32 /dev/urandom > {path}"
+            )
+        return AuthKey(secret)
 
     def codec_config(self) -> CodecConfig:
         return CodecConfig(**{field: getattr(self, field) for field in CODEC_FIELDS})

@@ -27,7 +27,7 @@ from lynx import codec
 from lynx.lanes import LaneConfig
 from lynx.lanes.mooncake import MooncakeBackend
 from lynx.metrics import LynxMetrics
-from lynx.settings import LynxSettings
+from lynx.settings import LynxSettings, LynxSettingsError
 from lynx.transfer import Handshake, ProgressiveReceiver, ProgressiveSender
 from lynx.transfer.protocol import bytes_per_token
 from lynx_patches import upstream
@@ -129,6 +129,11 @@ def build(
         bytes_per_token(layout, handshake.codec)  # checks group_size against head_dim
     except codec.CodecError as exc:
         raise LynxConfigError(f"--lynx cannot encode this KV pool: {exc}") from exc
+    try:
+        auth = settings.auth_key()  # read here, in this process: the key is never in the settings
+    except LynxSettingsError as exc:
+        raise LynxConfigError(str(exc)) from None
+    handshake = handshake.signed_with(auth)
     codec.warm_up(k[0].device)  # build or load the native codec now, not on the first request
     nbytes = _buffer_bytes(k[0].shape[0], handshake, settings.buffer_bytes)
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=k[0].device)
@@ -150,6 +155,7 @@ def build(
             notify=lambda endpoint, frames: _notify(manager, endpoint, frames),
             on_failure=lambda room, reason: upstream.fail_room(manager, room, f"Lynx: {reason}"),
             hold_s=(settings.anchor_hold_s, settings.residual_hold_s),
+            auth=auth,
         )
     else:
         if upstream.metrics_enabled(manager):
@@ -162,6 +168,7 @@ def build(
             handshake=handshake,
             deadline_s=settings.transfer_deadline_s,
             on_dropped=None if runtime.metrics is None else runtime.metrics.dropped_notice,
+            auth=auth,
         )
         if settings.mode.verifies:
             runtime.decoder = SpeculativeDecoder(

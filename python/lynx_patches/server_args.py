@@ -85,6 +85,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     ),
     "anchor_hold_s": (float, "Prefill: hold each Anchor write this many seconds (emulates a slow link)."),
     "residual_hold_s": (float, "Prefill: hold each Residual write this many seconds (emulates a slow link)."),
+    "auth_key_file": (
+        str,
+        "A file holding a key (16+ bytes, not readable by others) both servers sign their Lynx "
+        f"messages with; give both the same file, or neither. Default ${settings.AUTH_KEY_ENV}.",
+    ),
 }
 
 
@@ -117,6 +122,8 @@ def settings_from_namespace(args: argparse.Namespace) -> LynxSettings | None:
         if given:
             raise LynxSettingsError(f"{', '.join(map(settings.flag_of, given))} given without --lynx")
         return None
+    if "auth_key_file" not in given and os.environ.get(settings.AUTH_KEY_ENV):
+        given["auth_key_file"] = os.environ[settings.AUTH_KEY_ENV]
     return LynxSettings(**given)
 
 
@@ -168,6 +175,7 @@ def _from_cli_args(original: Any, cls: type, args: argparse.Namespace) -> Any:
                 decode_radix_cache=bool(getattr(args, "disaggregation_decode_enable_radix_cache", False)),
                 kv_checksum=bool(getattr(args, "disaggregation_enable_kv_checksum", False)),
             )
+            lynx_settings.auth_key()  # each process reads it again; a bad file stops the launcher
     except LynxSettingsError as exc:
         raise SystemExit(f"sglang-lynx: error: {exc}") from None
     server_args = original(cls, args)

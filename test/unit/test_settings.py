@@ -1,9 +1,11 @@
 import json
+from pathlib import Path
 
 import pytest
 
 from lynx import settings
 from lynx.settings import LynxSettings, LynxSettingsError
+from lynx.transfer.auth import AuthKey
 
 
 def test_defaults_are_valid_and_round_trip_through_json() -> None:
@@ -121,6 +123,48 @@ def test_codec_config_carries_the_codec_fields() -> None:
 def test_flag_names() -> None:
     assert settings.flag_of("key_block") == "--lynx-key-block"
     assert settings.flag_of("transfer_deadline_s") == "--lynx-transfer-deadline"
+    assert settings.flag_of("auth_key_file") == "--lynx-auth-key-file"
+
+
+def key_file(tmp_path: Path, content: bytes, mode: int = 0o600) -> str:
+    path = tmp_path / "lynx.key"
+    path.write_bytes(content)
+    path.chmod(mode)
+    return str(path)
+
+
+def test_the_auth_key_is_read_from_its_file_and_never_travels_in_the_settings(tmp_path: Path) -> None:
+    secret = b"k" * 31 + b"!"
+    assert LynxSettings().auth_key() is None
+    keyed = LynxSettings(auth_key_file=key_file(tmp_path, secret + b"\n", 0o640))
+    key = keyed.auth_key()
+    assert key is not None and key.key_id == AuthKey(secret).key_id  # the newline is not the key's
+    assert LynxSettings.from_json(keyed.to_json()) == keyed
+    assert json.loads(keyed.to_json())["auth_key_file"] == str(tmp_path / "lynx.key")
+    assert secret.decode() not in keyed.to_json() and secret.decode() not in repr(key)
+    with pytest.raises(LynxSettingsError, match=r"^--lynx-auth-key-file /dev/null: not a regular file$"):
+        LynxSettings(auth_key_file="/dev/null").auth_key()
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "message"),
+    [
+        (None, 0o600, "cannot read it (No such file or directory)"),
+        (b"", 0o600, "a key is 16..4096 bytes, the file holds 0 (not counting surrounding whitespace)"),
+        (b" short key \n", 0o600, "the file holds 9"),
+        (b"x" * 4097, 0o600, "the file holds 4097"),
+        (b"k" * 32, 0o644, "other users may read or write it (mode 644); chmod o-rwx "),
+        (b"k" * 32, 0o602, "other users may read or write it (mode 602)"),
+    ],
+)
+def test_a_bad_auth_key_file_is_refused_naming_the_flag(
+    tmp_path: Path, content: bytes | None, mode: int, message: str
+) -> None:
+    path = str(tmp_path / "missing.key") if content is None else key_file(tmp_path, content, mode)
+    with pytest.raises(LynxSettingsError) as caught:
+        LynxSettings(auth_key_file=path).auth_key()
+    assert str(caught.value).startswith(f"--lynx-auth-key-file {path}: ")
+    assert message in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import itertools
 import struct
 import time
@@ -25,6 +28,7 @@ from lynx.transfer import (
     RequestLayout,
     Stream,
 )
+from lynx.transfer.auth import NO_KEY, AuthKey
 from lynx.transfer.protocol import (
     CHECKSUM_BLOCK_WORDS,
     NOTICE_TEXT_MAX,
@@ -37,6 +41,7 @@ from lynx.transfer.protocol import (
     protection_cost,
     span_checksum,
     split_offer,
+    unsigned_reason,
 )
 
 LAYOUT = KVLayout(4, 2, 64, torch.bfloat16)
@@ -49,7 +54,9 @@ ODD = Handshake(
     protect_first=4,
     protect_last=300,
     checksums=True,
+    key_id=bytes(range(1, 9)),
 )
+KEY = AuthKey(b"0123456789abcdef0123456789abcdef")
 ROOM = 0x0102030405060708
 ROOM_LE = "0807060504030201"
 NONCE = 0x1112131415161718
@@ -60,7 +67,7 @@ NONCE_LE = "1817161514131211"
 
 
 def test_protocol_version_and_tag_are_pinned() -> None:
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
     assert CHECKSUM_BLOCK_WORDS == 1024
     assert TAG == b"LYNX1"
     assert SEGMENT_TOKENS == 256
@@ -68,22 +75,24 @@ def test_protocol_version_and_tag_are_pinned() -> None:
 
 def test_handshake_wire_bytes_are_pinned() -> None:
     assert HANDSHAKE.to_wire().hex() == (
-        "4c584853" "04" "00"  # b"LXHS", protocol v4, mode full
+        "4c584853" "05" "00"  # b"LXHS", protocol v5, mode full
         "00"  # flags: no checksums
         "00000000" "00000000"  # protect_first 0, protect_last 0
+        "0000000000000000"  # key id: signs nothing
         "4c5843" "02" "04" "2000" "01" "00" "1000"  # b"LXC" v2, 4 bits, group 32, exact, per_channel, 16
         "4c584c" "02" "0400" "0200" "4000" "00"  # b"LXL" v2, 4 layers, 2 heads, head_dim 64, bf16
     )  # fmt: skip
     assert ODD.to_wire().hex() == (
-        "4c584853" "04" "01"  # anchor-only
+        "4c584853" "05" "01"  # anchor-only
         "01"  # flags: checksums
         "04000000" "2c010000"  # protect_first 4, protect_last 300
+        "0102030405060708"  # key id
         "4c5843" "02" "03" "1000" "00" "01" "2000"  # 3 bits, group 16, int8, per_token, 32
         "4c584c" "02" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
     )  # fmt: skip
     speculative = Handshake("speculative", CodecConfig(), LAYOUT).to_wire()
     assert speculative[5] == 2
-    assert len(HANDSHAKE.to_wire()) == len(ODD.to_wire()) == 37
+    assert len(HANDSHAKE.to_wire()) == len(ODD.to_wire()) == 45
 
 
 @pytest.mark.parametrize(
@@ -105,9 +114,9 @@ def test_handshake_round_trips(handshake: Handshake) -> None:
     [
         (lambda w: w[:5], "too short"),
         (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
-        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v4"),
-        (lambda w: w[:4] + bytes([2]) + w[5:], "protocol v2, this server v4"),
-        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v4"),  # any version's head
+        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v5"),
+        (lambda w: w[:4] + bytes([4]) + w[5:], "protocol v4, this server v5"),
+        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v5"),  # any version's head
         (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
         (lambda w: w[:10], "10 bytes, too short"),  # truncated protection
         (lambda w: w[:6] + bytes([2]) + w[7:], "unknown Lynx handshake flags 0x02"),
@@ -124,9 +133,9 @@ def test_handshake_from_wire_errors(mutate, message: str) -> None:
     [
         lambda w: w[:-1],  # truncated layout
         lambda w: w + b"\0",  # trailing byte
-        lambda w: w[:20],  # truncated codec settings
-        lambda w: w[:15] + b"LXQ" + w[18:],  # the codec's own magic
-        lambda w: w[:18] + bytes([7]) + w[19:],  # codec wire version
+        lambda w: w[:28],  # truncated codec settings
+        lambda w: w[:23] + b"LXQ" + w[26:],  # the codec's own magic
+        lambda w: w[:26] + bytes([7]) + w[27:],  # codec wire version
         lambda w: w[:-1] + bytes([9]),  # unknown dtype code
     ],
 )
@@ -160,6 +169,27 @@ def test_mismatch_names_both_sides_settings() -> None:
     assert "decode d:1 (mode=full " in message and "checksums=on" in message
 
 
+def test_mismatched_keys_are_named_without_the_key() -> None:
+    keyed = HANDSHAKE.signed_with(KEY)
+    assert keyed.key_id == KEY.key_id != NO_KEY and HANDSHAKE.signed_with(None) == HANDSHAKE
+    assert keyed.mismatch(HANDSHAKE, this="this prefill server", other="decode d:1") == (
+        "this prefill server signs its Lynx messages (--lynx-auth-key-file), decode d:1 does not: "
+        "give both servers the same key file, or neither"
+    )
+    assert HANDSHAKE.mismatch(keyed, this="this prefill server", other="decode d:1") == (
+        "decode d:1 signs its Lynx messages (--lynx-auth-key-file), this prefill server does not: "
+        "give both servers the same key file, or neither"
+    )
+    other = AuthKey(b"another key of 16+ bytes")
+    message = keyed.mismatch(HANDSHAKE.signed_with(other), this="a", other="b")
+    assert message == (
+        "a and b sign their Lynx messages with different keys (--lynx-auth-key-file; key ids "
+        f"{KEY.key_id.hex()} and {other.key_id.hex()}): give both servers the same key file"
+    )
+    assert Handshake.key_id_of(keyed.to_wire()) == KEY.key_id
+    assert "0123456789abcdef" not in repr(KEY) and KEY.key_id.hex() in repr(KEY)
+
+
 @pytest.mark.parametrize(("first", "last"), [(-1, 0), (0, -1), (1 << 32, 0)])
 def test_protected_counts_must_fit_the_wire(first: int, last: int) -> None:
     with pytest.raises(ValueError, match="protected token counts"):
@@ -169,7 +199,8 @@ def test_protected_counts_must_fit_the_wire(first: int, last: int) -> None:
 def test_describe_lists_every_setting() -> None:
     assert ODD.describe() == (
         "mode=anchor-only anchor_bits=3 group_size=16 residual=int8 key_layout=per_token "
-        "key_block=32 protect_first=4 protect_last=300 checksums=on kv=[28 layers x 4 heads x 128, float16]"
+        "key_block=32 protect_first=4 protect_last=300 checksums=on signed=key 0102030405060708 "
+        "kv=[28 layers x 4 heads x 128, float16]"
     )
 
 
@@ -180,7 +211,7 @@ def test_offer_wire_bytes_are_pinned_and_round_trip() -> None:
     offer = Offer(HANDSHAKE.to_wire(), NONCE, 0x1000, 4096, 0x2000, 8192, 300)
     wire = offer.to_wire()
     assert wire.hex() == (
-        "2500"  # handshake length 37
+        "2d00"  # handshake length 45
         + HANDSHAKE.to_wire().hex()
         + NONCE_LE
         + "0010000000000000"  # anchor address
@@ -216,8 +247,38 @@ def test_an_offer_of_another_version_is_named() -> None:
     codec_and_layout = CodecConfig().to_wire() + LAYOUT.to_wire()
     v2_handshake = b"LXHS" + bytes([2, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
     v2_offer = struct.pack("<H", 36) + v2_handshake + struct.pack("<QQQQQ", 64, 128, 192, 256, 10)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v4"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v5"):
         Offer.from_wire(v2_offer)
+    # A v4 offer has the same body: its 37-byte handshake is named when it is parsed.
+    v4_handshake = b"LXHS" + bytes([4, 0, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
+    v4_offer = struct.pack("<H", 37) + v4_handshake + struct.pack("<QQQQQQ", 1, 64, 128, 192, 256, 10)
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v5"):
+        parse_handshake(Offer.from_wire(v4_offer).handshake)
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v5"):
+        Handshake.key_id_of(v4_handshake)
+
+
+def hmac_of(label: bytes, data: bytes) -> bytes:
+    """What the protocol says a MAC is, computed here from its definition."""
+    return hmac.digest(
+        b"0123456789abcdef0123456789abcdef", bytes([len(label)]) + label + data, hashlib.sha256
+    )
+
+
+def test_a_signed_offer_carries_a_mac_over_its_room_and_fields() -> None:
+    offer = Offer(HANDSHAKE.signed_with(KEY).to_wire(), NONCE, 0x1000, 4096, 0x2000, 8192, 300)
+    signed = offer.signed(KEY, ROOM)
+    unsigned = offer.to_wire()
+    assert signed.to_wire() == unsigned + hmac_of(b"OFFER", bytes.fromhex(ROOM_LE) + unsigned)
+    assert Offer.from_wire(signed.to_wire()) == signed
+    assert signed.verify(KEY, ROOM)
+    assert not offer.verify(KEY, ROOM)  # unsigned
+    assert not signed.verify(KEY, ROOM + 1)  # replayed for another room
+    assert not signed.verify(AuthKey(b"another key of 16+ bytes"), ROOM)
+    moved = dataclasses.replace(signed, anchor_addr=0x3000)  # any field changed on the way
+    assert not Offer.from_wire(moved.to_wire()).verify(KEY, ROOM)
+    with pytest.raises(ProtocolError, match="malformed Lynx offer"):
+        Offer.from_wire(signed.to_wire()[:-1])  # a MAC is 32 bytes or absent
 
 
 def test_append_and_split_offer() -> None:
@@ -270,6 +331,26 @@ def test_notice_frames_are_pinned_and_round_trip(notice: Notice, payload_hex: st
     assert Notice.from_frames(frames) == notice
 
 
+@pytest.mark.parametrize(("notice", "payload_hex"), NOTICES)
+def test_a_signed_notice_carries_a_mac_over_its_kind_and_payload(notice: Notice, payload_hex: str) -> None:
+    payload = bytes.fromhex(payload_hex)
+    frames = notice.to_frames(KEY)
+    assert frames == [b"LYNX1", notice.kind.value, payload, hmac_of(notice.kind.value, payload)]
+    assert Notice.from_frames(frames) == notice
+    assert Notice.head_of(frames) == (notice.kind, ROOM, NONCE)
+    assert unsigned_reason(frames, KEY) is None
+    assert unsigned_reason(notice.to_frames(), KEY) == "unsigned"
+    assert unsigned_reason(notice.to_frames(AuthKey(b"another key of 16+ bytes")), KEY) == "bad_signature"
+    tampered = [*frames[:2], payload[:-1] + bytes([payload[-1] ^ 1]), frames[3]]
+    assert unsigned_reason(tampered, KEY) == "bad_signature"
+    relabelled = [
+        frames[0],
+        b"RELEASED" if notice.kind is not NoticeKind.RELEASED else b"REJECT",
+        *frames[2:],
+    ]
+    assert unsigned_reason(relabelled, KEY) == "bad_signature"
+
+
 def test_notice_kind_names_are_pinned() -> None:
     assert {k.name: k.value for k in NoticeKind} == {
         "ACCEPT": b"ACCEPT",
@@ -291,7 +372,8 @@ def test_is_notice() -> None:
         ([], "not a Lynx notice"),
         ([b"LYNX1", b"RELEASED"], "not a Lynx notice"),
         ([b"LYNX2", b"RELEASED", bytes(8)], "not a Lynx notice"),
-        ([b"LYNX1", b"RELEASED", bytes(8), b""], "not a Lynx notice"),
+        ([b"LYNX1", b"RELEASED", bytes(16), b""], "MAC is 32 bytes, got 0"),
+        ([b"LYNX1", b"RELEASED", bytes(16), bytes(32), b""], "not a Lynx notice"),
         ([b"LYNX1", b"HELLO", bytes(8)], "unknown Lynx notice"),
         ([b"LYNX1", b"RELEASED", bytes(15)], "malformed Lynx RELEASED"),  # a v2 RELEASED: no nonce
         ([b"LYNX1", b"ACCEPT", bytes(8)], "malformed Lynx ACCEPT"),

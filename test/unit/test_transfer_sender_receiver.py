@@ -35,6 +35,7 @@ from lynx.transfer import (
     page_slots,
 )
 from lynx.transfer.arena import ByteArena
+from lynx.transfer.auth import AuthKey
 from lynx.transfer.protocol import TAG, checksum_values, span_checksum
 
 LAYERS, HEADS, HEAD_DIM, ROWS = 4, 2, 64, 2048
@@ -161,7 +162,9 @@ class Pair:
         offer_wait_s: float = 60.0,
         checksums: bool = False,
         decode_checksums: bool | None = None,
+        keys: tuple[AuthKey | None, AuthKey | None] = (None, None),
     ) -> None:
+        """``keys``: prefill's and decode's (--lynx-auth-key-file)."""
         codec = codec or CodecConfig()
         self.landed_delay_s = landed_delay_s
         self.handshake = Handshake(mode, codec, LAYOUT, *protect, checksums)
@@ -178,6 +181,7 @@ class Pair:
         self.decode_k, self.decode_v = kv_pool(seed=None)
         self.lock = threading.Lock()
         self.notices: list[Notice] = []
+        self.frames: list[list[bytes]] = []  # every notice's frames, as sent
         self.failures: list[tuple[int, str]] = []
         self.dropped: list[str] = []
         self.receive_buffer = torch.zeros(
@@ -190,6 +194,7 @@ class Pair:
             handshake=decode_handshake,
             deadline_s=600.0,
             on_dropped=self.dropped.append,
+            auth=keys[1],
         )
         self.send_buffer = torch.zeros(send_bytes or 4 * request_nbytes(self.handshake), dtype=torch.uint8)
         self.sender = ProgressiveSender(
@@ -204,6 +209,7 @@ class Pair:
             on_failure=self._on_failure,
             hold_s=(0.0, residual_hold_s),
             offer_wait_s=offer_wait_s,
+            auth=keys[0],
         )
 
     def _notify(self, endpoint: tuple[str, int], frames: list[bytes]) -> None:
@@ -213,6 +219,7 @@ class Pair:
             time.sleep(self.landed_delay_s)  # a slow socket: widens any race with RELEASED
         with self.lock:
             self.notices.append(notice)
+            self.frames.append(frames)
         self.receiver.on_notice(frames)
 
     def _on_failure(self, room: int, reason: str) -> None:
@@ -852,7 +859,7 @@ def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -
     bad_handshake = Offer(b"LXHS\x01\x00", 5, 64, 64, 128, 64, 1).to_wire()
     reason = pair.answer(9, bad_handshake)
     assert isinstance(reason, str) and reason.startswith("cannot read")
-    assert "peer speaks Lynx protocol v1, this server v4" in reason
+    assert "peer speaks Lynx protocol v1, this server v5" in reason
     assert [(n.kind, n.nonce) for n in pair.notices if n.room == 9] == [(NoticeKind.REJECT, 5)]
     reason = pair.answer(10, None)
     assert isinstance(reason, str) and "--lynx" in reason
@@ -1156,7 +1163,9 @@ def test_offers_for_rooms_without_a_request_are_bounded(pairs: Callable[..., Pai
     assert pair.sender.stats().offers_waiting == 0
     pair.sender.open_room(30)
     assert pair.sender.size_room(30, N_TOKENS) is None  # nothing left to answer
-    assert "sent no Lynx offer" in (pair.sender.refusal(30) or "")
+    assert pair.sender.refusal(30) == (
+        "decode's Lynx offer for room 30 was dropped: no request for room 30 came while its offer waited"
+    )
     # decode hears why, and its space comes back: no write of prefill's can reach it
     assert pair.kinds(30) == [NoticeKind.REJECT]
     assert pair.receiver.residual_verdict(30) == (
@@ -1167,12 +1176,16 @@ def test_offers_for_rooms_without_a_request_are_bounded(pairs: Callable[..., Pai
     assert pair.receiver.stats().quarantined == 0
 
     flood = pairs()
-    for room in range(1000, 1000 + 4097):
-        flood.sender.take_offer(room, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)
+    for room in range(1000, 1000 + 4097):  # from five decode sessions, each within its quota
+        flood.sender.take_offer(room, offer.to_wire(), DECODE_ENDPOINT, f"decode:{room % 5}")
     stats = flood.sender.stats()
     assert (stats.offers_waiting, stats.dropped_offers) == (4096, {"overflow": 1})
     flood.sender.open_room(1000)  # the oldest went
     assert flood.sender.size_room(1000, N_TOKENS) is None
+    assert flood.sender.refusal(1000) == (
+        "decode's Lynx offer for room 1000 was dropped: more than 4096 offers waited for rooms "
+        "with no request; the oldest, for room 1000, is dropped"
+    )
     flood.sender.open_room(1001)
     assert isinstance(flood.sender.size_room(1001, N_TOKENS), Offer)
     assert flood.kinds(1000) == [NoticeKind.REJECT]

@@ -1,4 +1,4 @@
-"""Lynx's control messages between a prefill and a decode server (protocol v4).
+"""Lynx's control messages between a prefill and a decode server (protocol v5).
 
 SGLang's Mooncake connector already carries, over ZMQ, a per-request metadata message
 from decode to prefill (the room, decode's page ids, the aux slot) and status messages
@@ -27,14 +27,15 @@ room, and only when the offer's token count is its own.
 Every integer is little-endian. The layouts, pinned by ``test/unit/test_transfer_protocol.py``:
 
 =========  =====================================================================
-handshake  ``<4sBBBII`` magic ``b"LXHS"``, PROTOCOL_VERSION (4), mode code (0 full,
+handshake  ``<4sBBBII8s`` magic ``b"LXHS"``, PROTOCOL_VERSION (5), mode code (0 full,
            1 anchor-only, 2 speculative), flags (bit 0: checksums; any other bit set
-           is refused), protect_first, protect_last (tokens); then the codec's
-           ``CodecConfig.to_wire()`` (11 bytes) and ``KVLayout.to_wire()`` (11 bytes):
-           37 bytes
+           is refused), protect_first, protect_last (tokens), the id of the key the
+           side signs with (``AuthKey.key_id``; 8 zero bytes: it signs nothing); then
+           the codec's ``CodecConfig.to_wire()`` (11 bytes) and ``KVLayout.to_wire()``
+           (11 bytes): 45 bytes
 offer      ``<H`` handshake length, handshake, ``<QQQQQQ`` nonce, anchor address,
            anchor bytes, residual address, residual bytes (0 and 0 when no Residual
-           stream travels), tokens
+           stream travels), tokens; signed: then the MAC (32 bytes)
 ACCEPT     ``<QQ`` room, nonce, handshake
 REJECT     ``<QQ`` room, nonce, UTF-8 reason
 LANDED     ``<QQBBQI`` room, nonce, stream (0 Anchor, 1 Residual), ok (1/0), bytes
@@ -43,8 +44,17 @@ LANDED     ``<QQBBQI`` room, nonce, stream (0 Anchor, 1 Residual), ok (1/0), byt
 RELEASED   ``<QQ`` room, nonce
 =========  =====================================================================
 
-v4 lets a segment's Residual travel shorter than its space (the codec's lossless
-``exact`` Residual, codec wire version 2): LANDED counts the bytes that travelled; v3
+**Signatures** (opt-in: a server started with ``--lynx-auth-key-file``, see
+:mod:`lynx.transfer.auth`). A signed message is its unsigned form followed by an
+HMAC-SHA256: an offer's 32 bytes close the offer, over ``b"OFFER"``, the room (``<Q``,
+from upstream's metadata, which the offer does not carry) and the offer's fields before
+the MAC; a notice's are a fourth frame ``[TAG, kind, payload, MAC]``, over the kind and
+the payload (room, nonce and every field). A server with a key drops every message
+without its MAC; one without a key ignores a MAC, having nothing to check it with.
+
+v5 added the key id to the handshake and the signatures; v4 let a segment's Residual
+travel shorter than its space (the codec's lossless ``exact`` Residual, codec wire
+version 2): LANDED counts the bytes that travelled; v3
 added the nonce, the checksums and the handshake's flags byte; v2 added the
 protected-token counts to the handshake (v1: the 6-byte head ``<4sBB``). Magic, version
 and mode lead the handshake in every version, so an older peer is refused by name
@@ -104,8 +114,9 @@ import torch
 from lynx.codec import CodecConfig, CodecInputError, KVLayout, residual_nbytes_of, segment_nbytes
 from lynx.codec.format import CONFIG_WIRE_NBYTES
 from lynx.mode import Mode
+from lynx.transfer.auth import KEY_ID_NBYTES, MAC_NBYTES, NO_KEY, AuthKey
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 TAG = b"LYNX1"
 SEGMENT_TOKENS = 256
 """Tokens per encoded segment: a multiple of every allowed ``key_block`` (<= 256)."""
@@ -119,12 +130,14 @@ _MODE_CODES: dict[Mode, int] = {Mode.FULL: 0, Mode.ANCHOR_ONLY: 1, Mode.SPECULAT
 # Magic, version and mode lead in every protocol version, so that any peer's version is
 # read and named; what follows is this version's.
 _HANDSHAKE_HEAD = struct.Struct("<4sBB")
-_HANDSHAKE_BODY = struct.Struct("<BII")  # flags, protect_first, protect_last
+_HANDSHAKE_BODY = struct.Struct(f"<BII{KEY_ID_NBYTES}s")  # flags, protect_first, protect_last, key id
 _FLAG_CHECKSUMS = 0x01
 _HANDSHAKE_MAGIC = b"LXHS"
 _OFFER_HEAD = struct.Struct("<H")
 _OFFER_BODY = struct.Struct("<QQQQQQ")
 _RESERVATION = struct.Struct("<QQ")  # room, nonce: the head of every notice
+_ROOM = struct.Struct("<Q")
+_OFFER_LABEL = b"OFFER"
 _LANDED = struct.Struct("<QQBBQI")
 _CHECKSUM = struct.Struct("<I")
 
@@ -159,6 +172,9 @@ class Handshake:
     # LANDED carries a checksum of each segment, checked before decoding: one side cannot
     # check what the other does not send, so it is paired too.
     checksums: bool = False
+    # The id of the key this side signs its messages with (NO_KEY: it signs nothing): a
+    # side with a key drops what the other does not sign, so it is paired too.
+    key_id: bytes = NO_KEY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))  # frozen; a name is accepted
@@ -166,11 +182,17 @@ class Handshake:
             raise ValueError(
                 f"protected token counts must fit a u32, got {self.protect_first} and {self.protect_last}"
             )
+        if len(self.key_id) != KEY_ID_NBYTES:
+            raise ValueError(f"a key id is {KEY_ID_NBYTES} bytes, got {len(self.key_id)}")
+
+    def signed_with(self, key: AuthKey | None) -> Handshake:
+        """This handshake, naming ``key`` (None: no key) as the one its side signs with."""
+        return dataclasses.replace(self, key_id=NO_KEY if key is None else key.key_id)
 
     def to_wire(self) -> bytes:
         head = _HANDSHAKE_HEAD.pack(_HANDSHAKE_MAGIC, PROTOCOL_VERSION, _MODE_CODES[self.mode])
         flags = _FLAG_CHECKSUMS if self.checksums else 0
-        body = _HANDSHAKE_BODY.pack(flags, self.protect_first, self.protect_last)
+        body = _HANDSHAKE_BODY.pack(flags, self.protect_first, self.protect_last, self.key_id)
         return head + body + self.codec.to_wire() + self.layout.to_wire()
 
     @classmethod
@@ -182,7 +204,7 @@ class Handshake:
             raise ProtocolError(f"unknown Lynx mode code {mode}")
         if len(data) < size:
             raise ProtocolError(f"Lynx handshake is {len(data)} bytes, too short")
-        flags, protect_first, protect_last = _HANDSHAKE_BODY.unpack_from(data, _HANDSHAKE_HEAD.size)
+        flags, protect_first, protect_last, key_id = _HANDSHAKE_BODY.unpack_from(data, _HANDSHAKE_HEAD.size)
         if flags & ~_FLAG_CHECKSUMS:
             raise ProtocolError(f"unknown Lynx handshake flags {flags:#04x}")
         codec_wire = data[size : size + CONFIG_WIRE_NBYTES]
@@ -194,7 +216,19 @@ class Handshake:
             protect_first,
             protect_last,
             bool(flags & _FLAG_CHECKSUMS),
+            key_id,
         )
+
+    @staticmethod
+    def key_id_of(data: bytes) -> bytes:
+        """The key id of a handshake, read at its fixed place without parsing the rest:
+        what a peer claims to sign with, checked before its signature. ProtocolError
+        naming the peer's version if it speaks another one, or if it is too short."""
+        _handshake_mode_code(data)
+        size = _HANDSHAKE_HEAD.size + _HANDSHAKE_BODY.size
+        if len(data) < size:
+            raise ProtocolError(f"Lynx handshake is {len(data)} bytes, too short")
+        return data[size - KEY_ID_NBYTES : size]
 
     def describe(self) -> str:
         c, lay = self.codec, self.layout
@@ -203,6 +237,7 @@ class Handshake:
             f"residual={c.residual} key_layout={c.key_layout} key_block={c.key_block} "
             f"protect_first={self.protect_first} protect_last={self.protect_last} "
             f"checksums={'on' if self.checksums else 'off'} "
+            f"signed={_key_name(self.key_id)} "
             f"kv=[{lay.num_layers} layers x {lay.num_kv_heads} heads x {lay.head_dim}, "
             f"{str(lay.dtype).removeprefix('torch.')}]"
         )
@@ -211,6 +246,8 @@ class Handshake:
         """None if the two agree, else a message naming both sides' settings."""
         if peer == self:
             return None
+        if dataclasses.replace(peer, key_id=self.key_id) == self:
+            return key_mismatch(self.key_id, peer.key_id, this=this, other=other)
         heads = dataclasses.replace(peer.layout, num_kv_heads=self.layout.num_kv_heads)
         if dataclasses.replace(peer, layout=heads) == self:
             hint = (
@@ -221,6 +258,24 @@ class Handshake:
             hint = "start both servers with the same --lynx-* flags and the same model and KV dtype"
         sides = f"{this} ({self.describe()}) and {other} ({peer.describe()})"
         return f"Lynx settings differ between {sides}: {hint}"
+
+
+def _key_name(key_id: bytes) -> str:
+    return "no" if key_id == NO_KEY else f"key {key_id.hex()}"
+
+
+def key_mismatch(mine: bytes, theirs: bytes, *, this: str, other: str) -> str:
+    """Why two sides whose key ids differ cannot pair (``this`` signs with ``mine``)."""
+    if NO_KEY in (mine, theirs):
+        signer, plain = (this, other) if theirs == NO_KEY else (other, this)
+        return (
+            f"{signer} signs its Lynx messages (--lynx-auth-key-file), {plain} does not: "
+            "give both servers the same key file, or neither"
+        )
+    return (
+        f"{this} and {other} sign their Lynx messages with different keys (--lynx-auth-key-file; "
+        f"key ids {mine.hex()} and {theirs.hex()}): give both servers the same key file"
+    )
 
 
 def _handshake_mode_code(data: bytes) -> int:
@@ -262,8 +317,20 @@ class Offer:
     residual_addr: int
     residual_nbytes: int
     n_tokens: int
+    mac: bytes = b""  # b"": unsigned (:meth:`signed`)
+
+    def signed(self, key: AuthKey, room: int) -> Offer:
+        """This offer with ``key``'s MAC over its fields and ``room``."""
+        return dataclasses.replace(self, mac=key.mac(_OFFER_LABEL, _ROOM.pack(room) + self._fields()))
+
+    def verify(self, key: AuthKey, room: int) -> bool:
+        """Whether the offer carries ``key``'s MAC over its fields and ``room``."""
+        return bool(self.mac) and key.verify(_OFFER_LABEL, _ROOM.pack(room) + self._fields(), self.mac)
 
     def to_wire(self) -> bytes:
+        return self._fields() + self.mac
+
+    def _fields(self) -> bytes:
         body = _OFFER_BODY.pack(
             self.nonce,
             self.anchor_addr,
@@ -280,15 +347,18 @@ class Offer:
             (n,) = _OFFER_HEAD.unpack_from(data)
         except struct.error:
             raise ProtocolError(f"malformed Lynx offer ({len(data)} bytes)") from None
-        handshake = data[_OFFER_HEAD.size : _OFFER_HEAD.size + n]
-        body = data[_OFFER_HEAD.size + n :]
-        if len(handshake) != n or len(body) != _OFFER_BODY.size:
-            if len(handshake) == n and len(handshake) >= _HANDSHAKE_HEAD.size:
-                magic, version, _ = _HANDSHAKE_HEAD.unpack_from(handshake)
+        # The length is checked before anything is copied out of a peer's frame.
+        mac_nbytes = len(data) - _OFFER_HEAD.size - n - _OFFER_BODY.size
+        if mac_nbytes not in (0, MAC_NBYTES):
+            if len(data) >= _OFFER_HEAD.size + n >= _OFFER_HEAD.size + _HANDSHAKE_HEAD.size:
+                magic, version, _ = _HANDSHAKE_HEAD.unpack_from(data, _OFFER_HEAD.size)
                 if magic == _HANDSHAKE_MAGIC and version != PROTOCOL_VERSION:
                     raise _version_error(version)  # another version's offer: name it
             raise ProtocolError(f"malformed Lynx offer ({len(data)} bytes)")
-        return cls(handshake, *_OFFER_BODY.unpack(body))
+        body_at = _OFFER_HEAD.size + n
+        handshake = data[_OFFER_HEAD.size : body_at]
+        mac = data[body_at + _OFFER_BODY.size :]
+        return cls(handshake, *_OFFER_BODY.unpack_from(data, body_at), mac=mac)
 
     def spans(self) -> list[tuple[int, int]]:
         """Decode's (address, length) spans granted to this request."""
@@ -324,7 +394,8 @@ class Notice:
     nbytes: int = 0  # LANDED
     checksums: tuple[int, ...] = ()  # LANDED: span_checksum of each of the stream's segments
 
-    def to_frames(self) -> list[bytes]:
+    def to_frames(self, key: AuthKey | None = None) -> list[bytes]:
+        """The notice's frames, signed with ``key`` (a fourth frame) unless it is None."""
         head = _RESERVATION.pack(self.room, self.nonce)
         # whole UTF-8 characters, at most NOTICE_TEXT_MAX bytes: what a receiver reads
         text = self.text.encode()[:NOTICE_TEXT_MAX].decode(errors="ignore").encode()
@@ -340,14 +411,17 @@ class Notice:
             payload = landed + checksums + text
         else:
             payload = head
-        return [TAG, self.kind.value, payload]
+        frames = [TAG, self.kind.value, payload]
+        return frames if key is None else [*frames, key.mac(self.kind.value, payload)]
 
     @staticmethod
     def head_of(frames: list[bytes]) -> tuple[NoticeKind, int, int]:
         """(kind, room, nonce) of a notice, from its fixed head alone: nothing of its
         variable part is read, so that a notice is authenticated before it is parsed."""
-        if len(frames) != 3 or frames[0] != TAG:
+        if len(frames) not in (3, 4) or frames[0] != TAG:
             raise ProtocolError(f"not a Lynx notice ({len(frames)} frames)")
+        if len(frames) == 4 and len(frames[3]) != MAC_NBYTES:
+            raise ProtocolError(f"a Lynx notice's MAC is {MAC_NBYTES} bytes, got {len(frames[3])}")
         try:
             kind = NoticeKind(frames[1])
         except ValueError:
@@ -406,6 +480,15 @@ class Notice:
 
 def is_notice(frames: list[bytes]) -> bool:
     return bool(frames) and frames[0] == TAG
+
+
+def unsigned_reason(frames: list[bytes], key: AuthKey) -> str | None:
+    """None if the notice ``frames`` (whose :meth:`Notice.head_of` parsed) carry ``key``'s
+    MAC over their kind and payload, else why not: ``"unsigned"`` (no MAC) or
+    ``"bad_signature"`` (another key's, or a forger's). Reads the payload as bytes only."""
+    if len(frames) < 4:
+        return "unsigned"
+    return None if key.verify(frames[1], frames[2], frames[3]) else "bad_signature"
 
 
 def notice_nbytes_max(checksums: int) -> int:

@@ -8,7 +8,10 @@ Each reservation of receive space gets a random nonce, sent in the offer; a noti
 applied only to the live reservation of its room *and* nonce. Any other is dropped and
 counted (:attr:`ReceiverStats.dropped_notices`): forged, misdirected, sent before the
 offer, or for a request still waiting for space. Late notices of a reservation that
-ended are expected and dropped silently.
+ended are expected and dropped silently. With a key (``auth``, ``--lynx-auth-key-file``),
+offers are signed and a notice is applied only if it carries the key's MAC, checked right
+after its fixed head is read and before anything else: any other is dropped, counted
+(``unsigned``, ``bad_signature``) and logged once per prefill.
 
 Receive space is reused only when no write to it can still arrive: right after decoding
 if every stream the request's transfer sends has landed, otherwise (a failed or aborted
@@ -38,6 +41,7 @@ import torch
 from lynx.codec import CodecInputError, check_pages, decode_pages
 from lynx.mode import Mode
 from lynx.transfer.arena import arena_over
+from lynx.transfer.auth import AuthKey, LogOncePerPeer
 from lynx.transfer.protocol import (
     Handshake,
     Notice,
@@ -51,6 +55,7 @@ from lynx.transfer.protocol import (
     is_notice,
     notice_nbytes_max,
     span_checksum,
+    unsigned_reason,
 )
 from lynx.transfer.receive_state import STREAM_NAMES, ReceiveState, ReceiveTracker, Upstream, Verdict
 
@@ -79,7 +84,8 @@ class ReceiverStats:
     buffer_used: int
     anchor_bytes: int
     residual_bytes: int
-    # reason ("oversized", "malformed", "unknown_reservation") -> notices dropped since start
+    # reason ("oversized", "malformed", "unsigned", "bad_signature", "unknown_reservation")
+    # -> notices dropped since start
     dropped_notices: dict[str, int] = field(default_factory=dict)
 
 
@@ -121,10 +127,14 @@ class ProgressiveReceiver:
         handshake: Handshake,
         deadline_s: float,
         on_dropped: Callable[[str], None] | None = None,
+        auth: AuthKey | None = None,
     ) -> None:
-        """``on_dropped(reason)`` is called (on the message thread) for each notice dropped."""
+        """``on_dropped(reason)`` is called (on the message thread) for each notice dropped.
+        ``auth``: the key offers are signed with and notices must carry (None: none)."""
         self._arena = arena_over(buffer, "receive")
-        self.handshake = handshake
+        self.handshake = handshake.signed_with(auth)
+        self._auth = auth
+        self._log_once = LogOncePerPeer(log)
         self._buffer = buffer
         self._k, self._v = list(k_buffers), list(v_buffers)
         self._deadline_s = deadline_s
@@ -177,7 +187,7 @@ class ProgressiveReceiver:
                 return None
             base = self._buffer.data_ptr() + offset
             state.offset, state.nonce = offset, secrets.randbits(64)
-            state.offer = Offer(
+            offer = Offer(
                 self.handshake.to_wire(),
                 state.nonce,
                 base,
@@ -186,6 +196,7 @@ class ProgressiveReceiver:
                 plan.sent_residual_nbytes,
                 plan.n_tokens,
             )
+            state.offer = offer if self._auth is None else offer.signed(self._auth, room)
             state.tracker.offered()
             return state.offer
 
@@ -207,8 +218,9 @@ class ProgressiveReceiver:
     def on_notice(self, frames: list[bytes]) -> None:
         """Apply a notice to its live reservation. Only its fixed head is read before its
         (room, nonce) is found live, the rest only as far as the request's plan allows;
-        a notice longer than any request this buffer holds could send is dropped unread."""
-        if len(frames) == 3 and len(frames[2]) > self._notice_max:
+        a notice longer than any request this buffer holds could send is dropped unread.
+        With a key, the MAC is checked right after the head (over at most that many bytes)."""
+        if len(frames) >= 3 and len(frames[2]) > self._notice_max:
             if not self._oversized_logged:
                 self._oversized_logged = True
                 log.warning(
@@ -224,6 +236,8 @@ class ProgressiveReceiver:
         except ProtocolError as exc:
             log.warning("Lynx: dropping a notice: %s", exc)
             self._drop("malformed")
+            return
+        if self._auth is not None and self._unsigned(frames, room):
             return
         reservation = (room, nonce)
         with self._lock:
@@ -261,6 +275,25 @@ class ProgressiveReceiver:
                 return  # late for a request that ended
         log.debug("Lynx: dropping a %s notice for room %s: no such reservation", kind.name, room)
         self._drop("unknown_reservation")
+
+    def _unsigned(self, frames: list[bytes], room: int) -> bool:
+        """Drop (True) a notice that does not carry this server's key's MAC."""
+        assert self._auth is not None
+        reason = unsigned_reason(frames, self._auth)
+        if reason is None:
+            return False
+        with self._lock:
+            state = self._rooms.get(room)
+            peer = "an unknown sender" if state is None else f"prefill {state.peer}"
+        what = "unsigned Lynx notices" if reason == "unsigned" else "Lynx notices with a bad signature"
+        why = (
+            "this decode server signs its Lynx messages (--lynx-auth-key-file) and the sender does not"
+            if reason == "unsigned"
+            else "the sender signs with another --lynx-auth-key-file"
+        )
+        self._log_once(reason, peer, f"dropping {what} from {peer}: {why}, or they are forged")
+        self._drop(reason)
+        return True
 
     def _drop(self, reason: str) -> None:
         with self._lock:

@@ -20,8 +20,15 @@ may arrive before prefill's request for it exists (upstream creates the request'
 sender when the scheduler takes it in, and sizes it after bootstrap), so an offer waits
 until the request exists and its token count is known (:meth:`open_room`,
 :meth:`size_room`). Offers for rooms with no request wait a bounded time and in bounded
-number; then they are dropped and counted (:attr:`SenderStats.dropped_offers`).
-Every notice echoes the offer's nonce (:mod:`lynx.transfer.protocol`).
+number, per decode session and in all; then they are dropped and counted
+(:attr:`SenderStats.dropped_offers`). Every notice echoes the offer's nonce
+(:mod:`lynx.transfer.protocol`).
+
+With a key (``auth``, ``--lynx-auth-key-file``) every notice is signed, and an offer is
+taken only if it carries the key's MAC over its fields and its room: any other is
+dropped before it can take a room or a place among the waiting offers, counted
+(``unsigned``, ``bad_signature``, ``malformed``), logged once per decode session, and the
+room's request, if it comes, fails saying so.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from lynx.lanes import (
     TransferBackend,
 )
 from lynx.transfer.arena import arena_over
+from lynx.transfer.auth import NO_KEY, AuthKey, LogOncePerPeer
 from lynx.transfer.protocol import (
     Handshake,
     Notice,
@@ -58,6 +66,7 @@ from lynx.transfer.protocol import (
     RequestLayout,
     Stream,
     checksum_values,
+    key_mismatch,
     parse_handshake,
     span_checksum,
 )
@@ -74,12 +83,19 @@ _NO_OFFER = (
 # a replayed offer of one is refused.
 _ENDED_KEPT = 1 << 16
 _EARLY_OFFERS_KEPT = 4096  # offers for rooms this server has no request for (yet)
+# ... of which one decode session may hold this many, so that no one decode evicts
+# another's: it takes four sessions to reach the overall bound.
+_EARLY_OFFERS_PER_SESSION = _EARLY_OFFERS_KEPT // 4
 # What decode hears when prefill drops its offer unanswered, by reason.
 _DROPPED_OFFER = {
     "duplicate": "another offer for room {room} (bootstrap_room) came first",
     "overflow": (
         f"more than {_EARLY_OFFERS_KEPT} offers waited for rooms with no request; the oldest, "
         "for room {room}, is dropped"
+    ),
+    "quota": (
+        f"decode session {{session}} had more than {_EARLY_OFFERS_PER_SESSION} offers waiting for "
+        "rooms with no request; its oldest, for room {room}, is dropped"
     ),
     "expired": "no request for room {room} came while its offer waited",
 }
@@ -101,6 +117,59 @@ class _HeldOffer:
     endpoint: Endpoint
     session: str
     arrived: float
+
+
+class _EarlyOffers:
+    """Offers for rooms with no request (yet), oldest first, at most
+    ``_EARLY_OFFERS_PER_SESSION`` per decode session and ``_EARLY_OFFERS_KEPT`` in all."""
+
+    def __init__(self) -> None:
+        self._offers: OrderedDict[int, _HeldOffer] = OrderedDict()
+        self._by_session: dict[str, OrderedDict[int, None]] = {}
+
+    def __contains__(self, room: int) -> bool:
+        return room in self._offers
+
+    def __len__(self) -> int:
+        return len(self._offers)
+
+    def add(self, room: int, held: _HeldOffer) -> tuple[int, _HeldOffer, str] | None:
+        """Hold ``held`` (``room`` holds no offer); returns the offer dropped to make room
+        for it, with the reason, if any."""
+        self._offers[room] = held
+        rooms = self._by_session.setdefault(held.session, OrderedDict())
+        rooms[room] = None
+        if len(rooms) > _EARLY_OFFERS_PER_SESSION:
+            oldest = next(iter(rooms))
+            return oldest, self._pop(oldest), "quota"
+        if len(self._offers) > _EARLY_OFFERS_KEPT:
+            oldest = next(iter(self._offers))
+            return oldest, self._pop(oldest), "overflow"
+        return None
+
+    def get(self, room: int) -> _HeldOffer | None:
+        return self._offers.get(room)
+
+    def pop(self, room: int) -> _HeldOffer | None:
+        return self._pop(room) if room in self._offers else None
+
+    def expire(self, now: float, wait_s: float) -> list[tuple[int, _HeldOffer, str]]:
+        """Take the offers that waited ``wait_s`` for a request."""
+        expired = []
+        while self._offers:
+            room, held = next(iter(self._offers.items()))
+            if now - held.arrived < wait_s:
+                break
+            expired.append((room, self._pop(room), "expired"))
+        return expired
+
+    def _pop(self, room: int) -> _HeldOffer:
+        held = self._offers.pop(room)
+        rooms = self._by_session[held.session]
+        del rooms[room]
+        if not rooms:
+            del self._by_session[held.session]
+        return held
 
 
 @dataclass
@@ -135,7 +204,8 @@ class SenderStats:
     offers_waiting: int  # for a request that does not exist yet, or whose length is not known
     lanes_driver_alive: bool  # False: the lanes' driver thread ended, no transfer can move
     lanes_driver_errors: int  # driver passes that raised (each failed the open transfers)
-    # reason ("expired", "overflow", "duplicate") -> offers dropped unanswered since start
+    # reason ("expired", "overflow", "quota", "duplicate"; with a key "unsigned",
+    # "bad_signature", "malformed") -> offers dropped unanswered since start
     dropped_offers: dict[str, int] = field(default_factory=dict)
 
 
@@ -144,7 +214,8 @@ class ProgressiveSender:
     thread found it) when a request's Lynx transfer fails, so the server can fail it.
     ``offer_wait_s``: how long an offer for a room with no request waits for it; by
     default as long as upstream's prefill waits for decode's metadata
-    (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, 300 s)."""
+    (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, 300 s). ``auth``: the key notices are
+    signed with and offers must carry (None: none)."""
 
     def __init__(
         self,
@@ -160,9 +231,12 @@ class ProgressiveSender:
         on_failure: Callable[[int, str], None],
         hold_s: tuple[float, float] = (0.0, 0.0),
         offer_wait_s: float = 300.0,
+        auth: AuthKey | None = None,
     ) -> None:
         self._arena = arena_over(buffer, "send")
-        self.handshake = handshake
+        self.handshake = handshake.signed_with(auth)
+        self._auth = auth
+        self._log_once = LogOncePerPeer(log)
         self._buffer = buffer
         self._k, self._v = list(k_buffers), list(v_buffers)
         self._page_size = page_size
@@ -173,9 +247,11 @@ class ProgressiveSender:
         # room -> its request's token count, None until known: this server's requests
         self._requests: dict[int, int | None] = {}
         self._offers: dict[int, _HeldOffer] = {}  # for a request whose length is not known yet
-        self._early_offers: OrderedDict[int, _HeldOffer] = OrderedDict()  # for no request (yet)
+        self._early_offers = _EarlyOffers()  # for no request (yet)
         self._offer_wait_s = offer_wait_s
         self._dropped_offers: dict[str, int] = {}
+        # room -> why its last offer was dropped unanswered, for its request's failure
+        self._dropped_why: OrderedDict[int, str] = OrderedDict()
         # room -> (decode's session, its control endpoint, the accepted offer) or the refusal
         self._answers: dict[int, tuple[str, Endpoint, Offer] | str] = {}
         self._releasing: set[int] = set()
@@ -204,17 +280,19 @@ class ProgressiveSender:
         length (:meth:`size_room`); returns the answer if that is now, else None."""
         now = time.monotonic()
         held = _HeldOffer(offer_bytes, endpoint, session, now)
+        if self._auth is not None and offer_bytes is not None and not self._authentic(room, held):
+            return None  # it takes no room and no place among the waiting offers
         dropped: list[tuple[int, _HeldOffer, str]] = []
         try:
             with self._lock:
-                dropped += self._expire_offers(now)
+                dropped += self._early_offers.expire(now, self._offer_wait_s)
                 if room in self._answers or room in self._offers or room in self._early_offers:
                     dropped.append((room, held, "duplicate"))
                     return None
                 if room not in self._requests:
-                    self._early_offers[room] = held
-                    if len(self._early_offers) > _EARLY_OFFERS_KEPT:
-                        dropped.append((*self._early_offers.popitem(last=False), "overflow"))
+                    evicted = self._early_offers.add(room, held)
+                    if evicted is not None:
+                        dropped.append(evicted)
                     return None
                 n_tokens = self._requests[room]
                 if n_tokens is None:
@@ -225,12 +303,56 @@ class ProgressiveSender:
                 self._drop_offer(dropped_room, dropped_offer, reason)
         return self._answer(room, held, n_tokens)
 
+    def _authentic(self, room: int, held: _HeldOffer) -> bool:
+        """Whether ``held`` carries this server's key's MAC over its offer and ``room``. If
+        not, it is dropped: counted, logged once per decode session, and its room's request
+        fails saying why. Only fixed-size fields are read before the MAC is checked."""
+        assert self._auth is not None and held.offer_bytes is not None
+        where = f"decode {held.endpoint[0]}:{held.endpoint[1]}"
+        mine = self._auth.key_id
+        answer_unsigned: Notice | None = None
+        try:
+            offer = Offer.from_wire(held.offer_bytes)
+            theirs = Handshake.key_id_of(offer.handshake)
+        except ProtocolError as exc:
+            reason, why = "malformed", f"cannot read the decode server's Lynx offer: {exc}"
+        else:
+            if offer.verify(self._auth, room):
+                return True
+            reason = "bad_signature" if offer.mac else "unsigned"
+            if theirs != mine and (theirs == NO_KEY) == (reason == "unsigned"):  # a peer's settings
+                why = key_mismatch(mine, theirs, this="this prefill server", other=where)
+            else:
+                what = "unsigned" if reason == "unsigned" else "not signed with this server's key"
+                why = f"{where}'s offer for room {room} is {what}: forged, or altered on the way"
+            if theirs == NO_KEY and reason == "unsigned":
+                # A decode without a key applies an unsigned REJECT (its space is free at
+                # once); one with a key drops it. This server writes into no space an
+                # unsigned offer names, so the REJECT frees nothing a write of ours reaches.
+                answer_unsigned = Notice(NoticeKind.REJECT, room, offer.nonce, text=why)
+        with self._lock:
+            self._dropped_offers[reason] = self._dropped_offers.get(reason, 0) + 1
+            self._remember_dropped(room, why)
+        self._log_once(
+            reason, held.session, f"dropping Lynx offers of {where} (session {held.session}): {why}"
+        )
+        if answer_unsigned is not None:
+            self._notify(held.endpoint, answer_unsigned.to_frames())
+        return False
+
+    def _remember_dropped(self, room: int, why: str) -> None:
+        """(Lock held) why ``room``'s offer was dropped, for :meth:`refusal`."""
+        self._dropped_why[room] = why
+        self._dropped_why.move_to_end(room)
+        if len(self._dropped_why) > _EARLY_OFFERS_KEPT:
+            self._dropped_why.popitem(last=False)
+
     def open_room(self, room: int) -> None:
         """This server has a request for ``room`` (scheduler thread): its offer waits for
         :meth:`size_room`, however long that takes."""
         with self._lock:
             self._requests.setdefault(room, None)
-            held = self._early_offers.pop(room, None)
+            held = self._early_offers.pop(room)
             if held is not None:
                 self._offers[room] = held
 
@@ -239,7 +361,7 @@ class ProgressiveSender:
         offer if it came. Returns the answer, or None if no offer came yet."""
         with self._lock:
             self._requests[room] = n_tokens
-            held = self._offers.pop(room, None) or self._early_offers.pop(room, None)
+            held = self._offers.pop(room, None) or self._early_offers.pop(room)
         return None if held is None else self._answer(room, held, n_tokens)
 
     def _answer(self, room: int, held: _HeldOffer, n_tokens: int) -> Offer | str:
@@ -268,7 +390,7 @@ class ProgressiveSender:
         with self._lock:
             self._answers[room] = answer if isinstance(answer, str) else (held.session, held.endpoint, answer)
         if notice is not None:
-            self._notify(held.endpoint, notice.to_frames())
+            self._send(held.endpoint, notice)
         return answer
 
     def _offer_mismatch(self, offer: Offer, where: str, n_tokens: int) -> str | None:
@@ -322,24 +444,15 @@ class ProgressiveSender:
                 return f"{where} offered reservation {offer.nonce:#x} of room {room} again, after it ended"
         return None
 
-    def _expire_offers(self, now: float) -> list[tuple[int, _HeldOffer, str]]:
-        """Take (lock held) the offers that waited ``offer_wait_s`` for a request, to drop."""
-        expired = []
-        while self._early_offers:
-            room, held = next(iter(self._early_offers.items()))
-            if now - held.arrived < self._offer_wait_s:
-                break
-            del self._early_offers[room]
-            expired.append((room, held, "expired"))
-        return expired
-
     def _drop_offer(self, room: int, held: _HeldOffer, reason: str) -> None:
         """Refuse (lock not held) an offer this server will not answer otherwise: decode's
         request fails saying why, and its receive space, which no write of ours can reach,
         is free at once (decode frees a reservation's space only on word from prefill)."""
         log.warning("Lynx: dropping decode's offer for room %s (%s)", room, reason)
+        text = _DROPPED_OFFER[reason].format(room=room, session=held.session)
         with self._lock:
             self._dropped_offers[reason] = self._dropped_offers.get(reason, 0) + 1
+            self._remember_dropped(room, text)
             live = self._answers.get(room)
             waiting = self._offers.get(room) or self._early_offers.get(room)
         if held.offer_bytes is None:
@@ -354,15 +467,20 @@ class ProgressiveSender:
         }
         if offer.nonce in nonces:
             return  # the offer being answered, sent again: refusing it would fail its request
-        text = _DROPPED_OFFER[reason].format(room=room)
-        self._notify(held.endpoint, Notice(NoticeKind.REJECT, room, offer.nonce, text=text).to_frames())
+        self._send(held.endpoint, Notice(NoticeKind.REJECT, room, offer.nonce, text=text))
+
+    def _send(self, endpoint: Endpoint, notice: Notice) -> None:
+        self._notify(endpoint, notice.to_frames(self._auth))
 
     def refusal(self, room: int) -> str | None:
-        """Why ``room`` cannot be sent with Lynx (no offer came, or it was refused); None
-        once its offer was accepted."""
+        """Why ``room`` cannot be sent with Lynx (no offer came, it was dropped, or it was
+        refused); None once its offer was accepted."""
         with self._lock:
             answer = self._answers.get(room)
+            dropped = self._dropped_why.get(room)
         if answer is None:
+            if dropped is not None:
+                return f"decode's Lynx offer for room {room} was dropped: {dropped}"
             return f"the decode server {_NO_OFFER}"
         return answer if isinstance(answer, str) else None
 
@@ -371,8 +489,9 @@ class ProgressiveSender:
         with self._lock:
             self._requests.pop(room, None)
             self._offers.pop(room, None)
-            self._early_offers.pop(room, None)
+            self._early_offers.pop(room)
             self._answers.pop(room, None)
+            self._dropped_why.pop(room, None)
 
     # ---- scheduler thread -------------------------------------------------------------------
 
@@ -442,7 +561,7 @@ class ProgressiveSender:
                 state.pending.clear()
         if unwritten is not None:
             endpoint, nonce = unwritten
-            self._notify(endpoint, Notice(NoticeKind.RELEASED, room, nonce).to_frames())
+            self._send(endpoint, Notice(NoticeKind.RELEASED, room, nonce))
             return
         if state is not None:
             self._lanes.abort(str(room))
@@ -464,7 +583,7 @@ class ProgressiveSender:
                 return None
             self._end(room, offer.nonce)
             return endpoint, offer.nonce
-        held = self._offers.pop(room, None) or self._early_offers.pop(room, None)
+        held = self._offers.pop(room, None) or self._early_offers.pop(room)
         if held is None or held.offer_bytes is None:
             return None
         if room in self._requests:  # its request must not read "no offer came"
@@ -629,7 +748,7 @@ class ProgressiveSender:
                 checksums=checksums,
                 text=status.error or "",
             )
-            self._notify(endpoint, notice.to_frames())
+            self._send(endpoint, notice)
         if all_settled:  # only now: RELEASED must not overtake this LANDED
             with self._lock:
                 self._releasing.add(room)
@@ -650,7 +769,7 @@ class ProgressiveSender:
         while not self._stop.wait(0.02):
             self._submit_due()
             with self._lock:
-                expired = self._expire_offers(time.monotonic())
+                expired = self._early_offers.expire(time.monotonic(), self._offer_wait_s)
             for room, held, reason in expired:
                 self._drop_offer(room, held, reason)
             with self._lock:
@@ -671,4 +790,4 @@ class ProgressiveSender:
                     continue
                 if state.offset is not None:
                     self._arena.free(state.offset)
-                self._notify(state.endpoint, Notice(NoticeKind.RELEASED, room, state.offer.nonce).to_frames())
+                self._send(state.endpoint, Notice(NoticeKind.RELEASED, room, state.offer.nonce))
