@@ -6,6 +6,7 @@ leak into the test process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -33,6 +34,7 @@ LYNX_FLAGS = [
     "--lynx-buffer-bytes",
     "--lynx-anchor-hold",
     "--lynx-residual-hold",
+    "--lynx-auth-key-file",
 ]
 
 
@@ -134,6 +136,15 @@ def probe(tiny_model: Path) -> dict:
             "--lynx-residual-hold",
             "90",
         ],
+        "missing_key_file": [
+            *model,
+            *pd,
+            "--disaggregation-mode",
+            "decode",
+            "--lynx",
+            "--lynx-auth-key-file",
+            "/nonexistent/lynx.key",
+        ],
         "decode_host_pool": [
             *model,
             *pd,
@@ -214,6 +225,10 @@ def test_cpu_engine_pd_defaults(probe: dict) -> None:
         ("infinite_deadline", "--lynx-transfer-deadline must be in [0.1, 3600] seconds, got inf"),
         ("tiny_deadline", "--lynx-transfer-deadline must be in [0.1, 3600] seconds, got 1e-300"),
         (
+            "missing_key_file",
+            "--lynx-auth-key-file /nonexistent/lynx.key: cannot read it (No such file or directory)",
+        ),
+        (
             "huge_buffer",
             "--lynx-buffer-bytes must be in 0..1099511627776 bytes (1TiB), got 107374182398926258176",
         ),
@@ -223,6 +238,17 @@ def test_bad_combinations_are_refused(probe: dict, case: str, message: str) -> N
     error = probe["cases"][case].get("error", "")
     assert error.startswith("sglang-lynx: error: ")
     assert message in error
+
+
+def test_the_auth_key_file_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lynx_patches.server_args import settings_from_namespace
+
+    monkeypatch.setenv("LYNX_AUTH_KEY_FILE", "/etc/lynx/env.key")
+    by_env = settings_from_namespace(argparse.Namespace(lynx=True))
+    assert by_env is not None and by_env.auth_key_file == "/etc/lynx/env.key"
+    by_flag = settings_from_namespace(argparse.Namespace(lynx=True, lynx_auth_key_file="/etc/lynx/flag.key"))
+    assert by_flag is not None and by_flag.auth_key_file == "/etc/lynx/flag.key"
+    assert settings_from_namespace(argparse.Namespace(lynx=False)) is None  # no --lynx: not read
 
 
 def test_launcher_help_lists_the_lynx_flags() -> None:
