@@ -124,11 +124,13 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     answered: list[Any] = []
     verify_logits: list[torch.Tensor] = []
     forwarded: list[list[str]] = []
+    in_steps_asked: list[bool] = []
 
     def verify_forward(
         scheduler: Any, reqs: list[Any], lens: list[int], *, in_steps: bool
     ) -> list[torch.Tensor]:
         forwarded.append([req.rid for req in reqs])
+        in_steps_asked.append(in_steps)
         if verify_logits and isinstance(verify_logits[0], Exception):
             raise verify_logits[0]
         return list(verify_logits)
@@ -140,7 +142,12 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     receiver = Receiver()
     decoder = SpeculativeDecoder(receiver, max_tokens=3, page_size=1, metrics=None)  # type: ignore[arg-type]
     return SimpleNamespace(
-        receiver=receiver, decoder=decoder, answered=answered, logits=verify_logits, forwarded=forwarded
+        receiver=receiver,
+        decoder=decoder,
+        answered=answered,
+        logits=verify_logits,
+        forwarded=forwarded,
+        in_steps_asked=in_steps_asked,
     )
 
 
@@ -187,6 +194,20 @@ def test_verification_commits_the_accepted_prefix_and_the_correction(world: Simp
     stats = world.decoder.stats
     assert (stats.held_tokens, stats.accepted_tokens, stats.rejections, stats.active) == (3, 1, 1, 0)
     assert world.decoder.speculation_of(req) is None and not world.decoder.holds_tokens(req)
+
+
+@pytest.mark.parametrize("in_steps", [True, False])
+def test_the_verify_pass_runs_as_configured(world: SimpleNamespace, in_steps: bool) -> None:
+    """In decode steps unless ``--lynx-verify-pass batched`` (one forward)."""
+    if not in_steps:
+        world.decoder.verify_in_steps = False
+    req = Req("a")
+    scheduler = admitted(world, req)
+    req.decode_one(world.decoder, 1)
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    world.logits.append(choosing(1))
+    world.decoder.step(scheduler)
+    assert world.in_steps_asked == [in_steps] and req.output_ids == [7, 1]
 
 
 def test_a_residual_that_fails_rolls_back_to_the_first_token(world: SimpleNamespace) -> None:
