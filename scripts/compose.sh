@@ -5,7 +5,9 @@
 #   scripts/compose.sh up [--link RATE] [--online]  build the image, start the cluster, wait
 #                                                   until the router serves
 #   scripts/compose.sh check [--prompt TEXT]        one streamed chat completion through the
-#                                                   router: answer, TTFT, Lynx's transfer report
+#                                                   router: answer, TTFT, Lynx's transfer report;
+#                                                   the codec each server runs (fails on the
+#                                                   slow torch reference)
 #   scripts/compose.sh down [--volumes]             stop and remove the containers (and the
 #                                                   model volume)
 #   scripts/compose.sh logs [SERVICE...]            the services' last log lines
@@ -248,6 +250,22 @@ cmd_up() {
     echo "serving after $(($(date +%s) - started)) s: http://$(setting ROUTER_BIND):$(setting ROUTER_PORT)/v1 (OpenAI API)"
 }
 
+# The codec each server runs (/server_info's lynx_codec_backend), asked from inside the
+# router's container; fails where one runs the torch reference: the image lacks the compiled
+# C++ codec, which the Dockerfile builds.
+codecs_compiled() {
+    "${COMPOSE[@]}" exec -T router python - <<'EOF'
+import json, sys, urllib.request
+found = {}
+for name in ("prefill", "decode"):
+    with urllib.request.urlopen(f"http://{name}:30000/server_info", timeout=60) as response:
+        found[name] = json.loads(response.read())["internal_states"][0].get("lynx_codec_backend")
+print("Lynx codec: " + ", ".join(f"{name} {codec or 'none (no --lynx)'}" for name, codec in found.items()))
+if "reference" in found.values():
+    sys.exit("a server runs the torch reference codec, not the compiled C++ codec (its log says why)")
+EOF
+}
+
 cmd_check() {
     local prompt=()
     while (($#)); do
@@ -271,6 +289,7 @@ cmd_check() {
         for service in router prefill decode; do logs_tail "$service" 20; done
         die "the check failed"
     fi
+    codecs_compiled || die "the codec check failed"
 }
 
 cmd_down() {

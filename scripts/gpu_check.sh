@@ -11,7 +11,7 @@
 #   --venv DIR    the virtual environment to create (if missing) and use; default .venv-cuda
 #                 (not .venv: that one holds the CPU build of Mooncake)
 #   --no-venv     use the current Python ($PYTHON, default python3) instead
-#   --no-install  skip pip install -e ".[cuda,test]"; use what is installed
+#   --no-install  skip installing this repo (editable) with the cuda and test extras; use what is installed
 #   CHECK ARGS    go to python -m lynx.tools.gpu_check, e.g. --steps codec,bytes,throughput,pd
 #                 --peak-gbps 3350 --out FILE --plan (print the JSON of what would run,
 #                 touching no CUDA device); after -- all go there: -- --help lists them
@@ -76,7 +76,9 @@ fi
 
 if ((INSTALL)); then
     echo "installing this repo with the cuda and test extras into $("$PY" -c 'import sys; print(sys.prefix)')"
-    "$PY" -m pip install -q -e ".[cuda,test]" || die "pip install -e \".[cuda,test]\" failed"
+    # The requirements first: the C++ CPU codec compiles against the torch they install.
+    "$PY" -m pip install -q -r <("$PY" docker/requirements.py cuda test) || die "installing the requirements failed"
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . || die "pip install -e . failed"
     "$PY" -c "import sglang, mooncake.engine, triton, lynx_patches" \
         || die "install check failed: sglang / mooncake / triton / lynx_patches do not import"
 fi

@@ -3,13 +3,14 @@
 Hook targets (``sglang.srt.`` omitted):
 * ``managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state``
   AFTER: add ``lynx`` (the settings this scheduler process runs with, or None) and, with
-  ``--lynx``, ``lynx_transfer`` (send/receive buffer use, requests in flight, bytes moved,
-  speculation) and ``lynx_kv_available_tokens`` (free KV pool tokens: back at its idle
-  value when no request holds pages).
+  ``--lynx``, ``lynx_codec_backend`` (what encodes and decodes the KV: ``triton``, ``cpp``
+  or ``reference``, the slow torch reference), ``lynx_transfer`` (send/receive buffer use,
+  requests in flight, bytes moved, speculation) and ``lynx_kv_available_tokens`` (free KV
+  pool tokens: back at its idle value when no request holds pages).
 
 This is how a user (and the tests) can see that the launcher's ``--lynx*`` flags reached
-the scheduler subprocess, which parses no command line of its own, and that a failed
-transfer left nothing behind.
+the scheduler subprocess, which parses no command line of its own, which codec runs, and
+that a failed transfer left nothing behind.
 
 Contract: scheduler thread, on demand; read-only.
 """
@@ -32,6 +33,7 @@ def _add_lynx(result: Any, controller: Any, *_args: Any, **_kwargs: Any) -> Any:
     state["lynx"] = None if current is None else dataclasses.asdict(current)
     if current is not None:
         lynx = runtime.current()
+        state["lynx_codec_backend"] = lynx.codec_backend if lynx is not None else None
         state["lynx_transfer"] = lynx.stats() if lynx is not None else None
         state["lynx_kv_available_tokens"] = upstream.free_kv_tokens(controller.scheduler)
     return result

@@ -36,6 +36,14 @@ from lynx_patches.speculative_decoder import SpeculativeDecoder
 logger = logging.getLogger(__name__)
 
 
+# The start-up log's words for ``codec.warm_up``'s answer.
+CODEC_NAMES = {
+    "triton": "Triton kernels",
+    "cpp": "C++ (compiled)",
+    "reference": "torch reference (slow)",
+}
+
+
 class LynxConfigError(RuntimeError):
     """This server's KV pool or parallelism cannot run Lynx (raised at start-up)."""
 
@@ -45,6 +53,7 @@ class LynxRuntime:
     settings: LynxSettings
     handshake: Handshake
     page_size: int
+    codec_backend: codec.CodecBackend  # what encodes/decodes this server's pool: triton, cpp, reference
     # Attention-TP ranks this server's KV heads are split over; each rank runs its own
     # runtime for its own heads and pairs with the peer rank of the same index.
     tp_ranks: int = 1
@@ -134,11 +143,13 @@ def build(
     except LynxSettingsError as exc:
         raise LynxConfigError(str(exc)) from None
     handshake = handshake.signed_with(auth)
-    codec.warm_up(k[0].device)  # build or load the native codec now, not on the first request
+    codec_backend = codec.warm_up(k[0].device)  # load the native codec now, not on the first request
     nbytes = _buffer_bytes(k[0].shape[0], handshake, settings.buffer_bytes)
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=k[0].device)
     page_size = upstream.manager_page_size(manager)
-    runtime = LynxRuntime(settings, handshake, page_size, upstream.manager_attn_tp_size(manager))
+    runtime = LynxRuntime(
+        settings, handshake, page_size, codec_backend, upstream.manager_attn_tp_size(manager)
+    )
     if upstream.manager_is_prefill(manager):
         engine, session_id = upstream.manager_transfer_engine(manager)
         runtime.sender = ProgressiveSender(
@@ -185,9 +196,10 @@ def build(
     # Where this side hears its peer's control messages (offers on prefill, notices on
     # decode): what to firewall, and what a drill aims forged messages at.
     logger.info(
-        "Lynx %s side ready: %s; %s buffer %.1f MiB; %s on %s",
+        "Lynx %s side ready: %s; codec %s; %s buffer %.1f MiB; %s on %s",
         "prefill" if runtime.sender else "decode",
         handshake.describe(),
+        CODEC_NAMES[codec_backend],
         "send" if runtime.sender else "receive",
         nbytes / (1 << 20),
         "offers" if runtime.sender else "notices",

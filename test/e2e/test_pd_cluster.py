@@ -202,6 +202,7 @@ def test_lynx_settings_reach_both_schedulers(servers: dict) -> None:
         assert state["lynx"]["anchor_bits"] == 2
         assert state["lynx"]["mode"] == "speculative"
         assert state["lynx"]["group_size"] == 64
+        assert state["lynx_codec_backend"] == "cpp"  # compiled at install, loaded at start-up
 
 
 def test_requests_spread_over_every_pair_answer_exactly(servers: dict, idle_decodes: list[int]) -> None:

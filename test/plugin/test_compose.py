@@ -213,3 +213,39 @@ def test_the_image_and_compose_sh_install_the_same_requirements() -> None:
         [sys.executable, str(ROOT / "docker" / "requirements.py"), "gpu"], capture_output=True, text=True
     )
     assert unknown.returncode == 2 and "no extra gpu" in unknown.stderr
+
+
+def test_the_image_compiles_the_codec_in_a_build_stage_and_needs_it() -> None:
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    build, final = dockerfile.split("FROM runtime AS build\n")[1].split("\nFROM runtime\n")
+    assert "g++" in build and "--no-build-isolation" in build  # against the runtime stage's torch
+    assert "g++" not in final and "cpp_backend.module()" in final  # no compiler; no image without it
+    assert "COPY README.md setup.py" in build
+
+
+def _codec_check(monkeypatch, capsys, backends: dict[str, str | None]) -> str:
+    """Run compose.sh check's codec step (its Python, as the router's container would) against
+    servers whose /server_info name ``backends``; its printed line."""
+    import io
+    import urllib.request
+
+    script = COMPOSE_SH.read_text().split("codecs_compiled() {")[1]
+    script = script.split("<<'EOF'\n")[1].split("\nEOF\n")[0]
+
+    def urlopen(url: str, timeout: float) -> io.BytesIO:
+        name = url.removeprefix("http://").split(":")[0]
+        return io.BytesIO(json.dumps({"internal_states": [{"lynx_codec_backend": backends[name]}]}).encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    exec(compile(script, "codecs_compiled", "exec"), {})
+    return capsys.readouterr().out.strip()
+
+
+def test_compose_check_prints_the_codecs_and_fails_on_the_reference(monkeypatch, capsys) -> None:
+    assert "codecs_compiled || die" in COMPOSE_SH.read_text()
+    line = _codec_check(monkeypatch, capsys, {"prefill": "cpp", "decode": "cpp"})
+    assert line == "Lynx codec: prefill cpp, decode cpp"
+    with pytest.raises(SystemExit, match="torch reference codec") as exit_:
+        _codec_check(monkeypatch, capsys, {"prefill": "cpp", "decode": "reference"})
+    assert exit_.value.code != 0
+    assert _codec_check(monkeypatch, capsys, {"prefill": None, "decode": None}).endswith("none (no --lynx)")

@@ -1,5 +1,13 @@
 """The C++ CPU codec writes the same bytes and pool rows as the torch reference, bit for bit,
-and refuses non-finite input with the reference's message. Its first use compiles it."""
+and refuses non-finite input with the reference's message. It is compiled when the package
+is installed (setup.py), never when it is used; where it does not load, the reference serves
+and one warning says why."""
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,6 +20,7 @@ from lynx.codec import (
     KVLayout,
     backend,
     cpp_backend,
+    cpp_build,
     decode_pages,
     encode_pages,
     reference,
@@ -212,30 +221,63 @@ def test_segment_in_one_region_matches_reference_and_locates_non_finite(monkeypa
     assert "layer 1 values" in messages[1] and "slot 30" in messages[1]
 
 
-def test_a_cached_build_is_imported_without_building(monkeypatch) -> None:
-    from torch.utils import cpp_extension
+def test_the_installed_module_loads_without_a_compiler(tmp_path) -> None:
+    # A fresh interpreter (nothing loaded yet) where compiling is impossible: no compiler on
+    # PATH, an empty extension cache, and torch's JIT entry points refuse.
+    script = textwrap.dedent(
+        """
+        from torch.utils import cpp_extension
 
-    assert cpp_backend.available()  # built (or imported) once here, so it is cached
+        def refuse(*_args, **_kwargs):
+            raise AssertionError("a compiler was invoked")
 
-    def fail(**_: object) -> None:
-        raise AssertionError("cpp_extension.load called for a cached build")
+        cpp_extension.load = cpp_extension.load_inline = cpp_extension._jit_compile = refuse
+        from lynx.codec import backend, cpp_backend
 
-    monkeypatch.setattr(cpp_extension, "load", fail)
-    cpp_backend._build.cache_clear()
-    try:
         assert cpp_backend.available()
-    finally:
-        cpp_backend._build.cache_clear()
+        print(backend.warm_up("cpu"))
+        """
+    )
+    env = {
+        **os.environ,
+        "PATH": str(tmp_path),
+        "CXX": str(tmp_path / "c++"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path),
+    }
+    env.pop(backend.BACKEND_ENV, None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["cpp"]
+    assert "reference" not in out.stderr
 
 
-def test_build_failure_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog, tmp_path) -> None:
-    from torch.utils import cpp_extension
+@pytest.fixture
+def unloaded(monkeypatch):
+    """cpp_backend as before its first load, whatever an earlier test loaded; restored after."""
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
+    cpp_backend._load.cache_clear()
+    yield
+    cpp_backend._load.cache_clear()
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing cached: it must build
 
-    def fail(**_: object) -> None:
-        raise RuntimeError("no compiler here")
+def _warnings(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == cpp_backend.__name__ and r.levelname == "WARNING"
+    ]
 
+
+@pytest.mark.usefixtures("unloaded")
+def test_warm_up_names_the_codec_that_runs(monkeypatch, caplog) -> None:
+    assert backend.warm_up("cpu") == "cpp"
+    assert backend.warm_up(torch.device("cuda")) == "triton"  # no CUDA needed to name it
+    monkeypatch.setenv(backend.BACKEND_ENV, "reference")
+    assert backend.warm_up("cpu") == "reference"
+    assert not _warnings(caplog)
+
+
+@pytest.mark.usefixtures("unloaded")
+def test_a_missing_build_warns_once_at_warm_up_and_the_reference_serves(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpp_build, "MODULE", "lynx.codec._cpu_codec_never_built")
     config = CodecConfig()
     pool = _pool("normal", 8, 64, torch.bfloat16, seed=9)
     layout = part_layout(8, 64, "value", config, torch.bfloat16)
@@ -243,19 +285,35 @@ def test_build_failure_falls_back_to_the_reference_with_one_warning(monkeypatch,
     expect_residual = torch.empty(layout.residual_nbytes, dtype=torch.uint8)
     encode_part(pool, "value", config, expect_anchor, expect_residual)
 
-    monkeypatch.setattr(cpp_extension, "load", fail)
-    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
-    cpp_backend._build.cache_clear()
-    try:
-        for _ in range(2):
-            anchor = torch.empty_like(expect_anchor)
-            residual = torch.empty_like(expect_residual)
-            backend.encode_rows(pool, None, "value", config, anchor, residual)
-            assert torch.equal(anchor, expect_anchor) and torch.equal(residual, expect_residual)
-        warnings = [r for r in caplog.records if "did not build" in r.getMessage()]
-        assert len(warnings) == 1 and "no compiler here" in warnings[0].getMessage()
-        monkeypatch.setenv(backend.BACKEND_ENV, "cpp")
-        with pytest.raises(cpp_backend.NativeBuildError, match="no compiler here"):
-            backend.encode_rows(pool, None, "value", config, anchor, residual)
-    finally:
-        cpp_backend._build.cache_clear()
+    assert backend.warm_up("cpu") == "reference"
+    (warning,) = _warnings(caplog)  # at start-up, before any request
+    assert "not built" in warning and cpp_backend.HOW_TO_BUILD in warning and cpp_backend.COST in warning
+    for _ in range(2):
+        anchor = torch.empty_like(expect_anchor)
+        residual = torch.empty_like(expect_residual)
+        backend.encode_rows(pool, None, "value", config, anchor, residual)
+        assert torch.equal(anchor, expect_anchor) and torch.equal(residual, expect_residual)
+    assert len(_warnings(caplog)) == 1
+    monkeypatch.setenv(backend.BACKEND_ENV, "cpp")
+    with pytest.raises(cpp_backend.NativeBuildError, match="not built"):
+        backend.encode_rows(pool, None, "value", config, anchor, residual)
+    with pytest.raises(cpp_backend.NativeBuildError, match="not built"):
+        backend.warm_up("cpu")
+
+
+@pytest.mark.usefixtures("unloaded")
+def test_a_stale_build_is_refused(monkeypatch, caplog) -> None:
+    # What an editable install's in-place build is after its sources or flags change.
+    monkeypatch.setattr(cpp_build, "source_digest", lambda: "0" * 16)
+    assert backend.warm_up("cpu") == "reference"
+    (warning,) = _warnings(caplog)
+    assert "stale build" in warning and cpp_backend.HOW_TO_BUILD in warning
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the CPU check reads x86 flags")
+@pytest.mark.usefixtures("unloaded")
+def test_a_cpu_without_what_it_was_compiled_for_is_refused(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpp_build, "CPU_FLAGS", (*cpp_build.CPU_FLAGS, "avx10_9"))
+    assert not cpp_backend.available()
+    (warning,) = _warnings(caplog)
+    assert "needs avx10_9, which this CPU lacks" in warning

@@ -380,7 +380,7 @@ def test_the_cpp_codec_writes_the_references_bytes() -> None:
     from lynx.codec import cpp_backend
 
     if not cpp_backend.available():
-        pytest.skip("the C++ codec does not build here")
+        pytest.skip("the C++ codec is not built here")
     layout = KVLayout(2, 2, 64, torch.bfloat16)
     for name, config in codec_bench.MODES.items():
         digests = {}

@@ -5,13 +5,13 @@ Anchor; or the remaining bits of an INT8 code).
 Public API: ``CodecConfig``, ``encode``/``decode`` (tensors), ``KVLayout``,
 ``segment_nbytes``, ``encode_pages``/``decode_pages``/``check_pages`` (SGLang-style KV pool),
 ``residual_nbytes_of`` (the travelling length of a segment's Residual), ``warm_up``
-(load the native codec before the first request), the wire
+(load the native codec before the first request; it names the ``CodecBackend`` that runs), the wire
 format (``WIRE_VERSION``, ``CodecConfig.to_wire``/``from_wire``, ``KVLayout.to_wire``)
 and the errors. The byte layout is documented in ``lynx.codec.format``.
 """
 
 from .api import Encoded, decode, encode
-from .backend import warm_up
+from .backend import CodecBackend, warm_up
 from .format import (
     WIRE_VERSION,
     CodecConfig,
@@ -25,6 +25,7 @@ from .pages import check_pages, decode_pages, encode_pages, kv_layout_of, residu
 
 __all__ = [
     "WIRE_VERSION",
+    "CodecBackend",
     "CodecConfig",
     "CodecError",
     "CodecInputError",

@@ -1,10 +1,10 @@
 """Device dispatch of the part codec: Triton kernels for CUDA tensors; on the CPU the fused
-C++ codec (``cpp_backend.py``) when it builds, else the torch reference (``reference.py``).
-All read rows of a 2-D ``(rows, channels)`` view, through an optional ``slots`` index, and
-write the exact same bytes.
+C++ codec (``cpp_backend.py``, compiled when the package is installed) when it loads, else
+the torch reference (``reference.py``). All read rows of a 2-D ``(rows, channels)`` view,
+through an optional ``slots`` index, and write the exact same bytes.
 
 ``LYNX_CODEC_BACKEND`` picks the CPU path: ``reference`` (torch) or ``cpp`` (the C++ codec;
-a build failure then raises); unset, the C++ codec is used when it builds, the reference
+a missing build then raises); unset, the C++ codec is used when it loads, the reference
 (with one logged warning) when it does not.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -26,25 +27,34 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _use_cpp(rows: torch.Tensor) -> bool:
-    """Whether a CPU part goes to the C++ codec (read from the environment on every call)."""
+CodecBackend = Literal["triton", "cpp", "reference"]
+
+
+def _cpu_backend() -> CodecBackend:
+    """The CPU path (read from the environment on every call)."""
     choice = os.environ.get(BACKEND_ENV, "")
     if choice == "reference":
-        return False
+        return "reference"
     if choice == "cpp":
         cpp_backend.module()
-        return rows.is_contiguous()
+        return "cpp"
     if choice:
         raise CodecInputError(f"{BACKEND_ENV} must be 'reference' or 'cpp', got {choice!r}")
-    return rows.is_contiguous() and cpp_backend.available()
+    return "cpp" if cpp_backend.available() else "reference"
 
 
-def warm_up(device: torch.device | str) -> None:
-    """Load (or build) what encoding and decoding on ``device`` will use, now rather than on
-    a server's first request. On the CPU that is the C++ codec; a build failure is logged
-    there and the torch reference serves instead."""
-    if torch.device(device).type == "cpu":
-        cpp_backend.available()
+def _use_cpp(rows: torch.Tensor) -> bool:
+    """Whether a CPU part goes to the C++ codec."""
+    return _cpu_backend() == "cpp" and rows.is_contiguous()
+
+
+def warm_up(device: torch.device | str) -> CodecBackend:
+    """Load what encoding and decoding on ``device`` will use, now rather than on a server's
+    first request, and name it. The C++ codec is loaded on every device (a CUDA pool's
+    lossless Residual is coded on the host): where it does not load, a warning says why and
+    the torch reference serves."""
+    cpu = _cpu_backend()
+    return "triton" if torch.device(device).type == "cuda" else cpu
 
 
 def encode_rows(

@@ -1,21 +1,19 @@
-"""The fused C++ CPU codec (``csrc/cpu_codec.cpp``): compiled with
-``torch.utils.cpp_extension.load`` at first use (cached under
-``$TORCH_EXTENSIONS_DIR/lynx/``, default ``~/.cache/torch_extensions/lynx/``; a cached
-build is imported directly), one pass per part, the same bytes as ``reference.py``.
+"""The fused C++ CPU codec (``csrc/cpu_codec.cpp``), one pass per part, the same bytes as
+``reference.py``. It is compiled into the package as ``lynx.codec._cpu_codec`` when the package
+is built or installed (``setup.py``, flags in ``cpp_build.py``); nothing compiles at run time.
 
-``-ffp-contract=off`` and no ``-ffast-math``: every float32 operation rounds as torch's.
-``-march=native``: the build is for the host it runs on (the cache is per host); it needs
-AVX2, FMA, F16C and BMI2 (x86-64 since Haswell) and fails to build elsewhere, where the
-reference is used.
+It is used only where it was built from the sources and flags installed next to it (an
+editable install's in-place build goes stale when the sources change) and on a CPU with
+what it was compiled for (x86-64-v3); elsewhere one warning says why and how to build it,
+and the torch reference serves.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
+import importlib
 import logging
-import os
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -23,73 +21,79 @@ from typing import NamedTuple
 
 import torch
 
+from . import cpp_build
 from .format import CodecConfig, Kind, PartLayout, part_layout
-
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "cpu_codec.cpp", _CSRC / "cpu_codec_kernels.h", _CSRC / "cpu_codec_lossless.h")
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 log = logging.getLogger(__name__)
 
+HOW_TO_BUILD = (
+    "scripts/install.sh, or pip install --no-deps --no-build-isolation -e . in a checkout, compiles it "
+    "(x86-64 and a C++ compiler)"
+)
+
+# Measured on the 2-core dev host (256 tokens of SmolLM2's KV, 2 threads; docs/codec.md).
+COST = (
+    "with the default lossless Residual about 70x slower to encode and 1,500x slower to decode "
+    "(0.008 and 0.0004 GB/s against 0.53 and 0.65), 13x and 8x with --lynx-residual int8"
+)
+
 
 class NativeBuildError(RuntimeError):
-    """The C++ codec could not be compiled or loaded on this host."""
+    """The compiled C++ codec is missing, stale or not for this CPU."""
 
 
-def _build_dir(name: str) -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
-    return Path(root) / "lynx" / name
+def _cpu_lacks() -> list[str]:
+    """The x86-64-v3 features this CPU lacks (none known where there is no /proc/cpuinfo)."""
+    if platform.machine() != "x86_64":
+        return []  # nothing was built for it: the import says so
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
+    return [flag for flag in cpp_build.CPU_FLAGS if flag not in flags]
 
 
-def _import_built(name: str, library: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, library)
-    assert spec is not None and spec.loader is not None
-    extension = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(extension)
+def _import_checked() -> ModuleType:
+    lacking = _cpu_lacks()
+    if lacking:
+        raise NativeBuildError(f"the C++ CPU codec needs {', '.join(lacking)}, which this CPU lacks")
+    try:
+        extension = importlib.import_module(cpp_build.MODULE)
+    except ImportError as err:
+        raise NativeBuildError(f"the C++ CPU codec is not built ({err}); {HOW_TO_BUILD}") from err
+    if extension.source_digest != cpp_build.source_digest():
+        raise NativeBuildError(
+            f"the C++ CPU codec was built from other sources or flags than those installed "
+            f"(a stale build); {HOW_TO_BUILD}"
+        )
     return extension
 
 
 @functools.cache
-def _build() -> ModuleType | BaseException:
-    from torch.utils import cpp_extension
-
-    # The name carries a digest of the sources and flags: torch's build cache does not
-    # track the header, and a stale build must never be loaded.
-    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
-    for source in _SOURCES:
-        digest.update(source.read_bytes())
-    name = f"lynx_cpu_codec_{digest.hexdigest()[:16]}"
-    build_dir = _build_dir(name)
-    library = build_dir / f"{name}.so"
+def _load() -> ModuleType | NativeBuildError:
     try:
-        if library.exists():
-            # Built before: import it, rather than have every server process take torch's
-            # build lock and run ninja at start-up.
-            return _import_built(name, library)
-        build_dir.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCES[0])],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
+        return _import_checked()
+    except NativeBuildError as err:
+        log.warning(
+            "Lynx: %s. CPU encoding and decoding run the torch reference codec instead: %s.", err, COST
         )
-    except Exception as err:  # a compiler or linker failure surfaces as several types
-        log.warning("lynx C++ CPU codec did not build, using the torch reference: %s", err)
         return err
 
 
 def module() -> ModuleType:
-    """The compiled extension; raises NativeBuildError (once logged) when it cannot build."""
-    built = _build()
-    if isinstance(built, BaseException):
-        raise NativeBuildError(f"the C++ CPU codec did not build: {built}") from built
-    return built
+    """The compiled extension; raises NativeBuildError (once logged) where it cannot be used."""
+    loaded = _load()
+    if isinstance(loaded, NativeBuildError):
+        raise NativeBuildError(str(loaded)) from loaded
+    return loaded
 
 
 def available() -> bool:
-    """Whether the extension builds and loads here (builds it on the first call)."""
-    return not isinstance(_build(), BaseException)
+    """Whether the compiled extension loads here (logs why not, once)."""
+    return not isinstance(_load(), NativeBuildError)
 
 
 class PartIO(NamedTuple):

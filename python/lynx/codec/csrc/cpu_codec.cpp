@@ -182,7 +182,16 @@ int64_t anchor_fault(torch::Tensor anchor, torch::Tensor like, int64_t groups, i
 
 }  // namespace
 
+// setup.py defines the digest of the sources and flags (lynx/codec/cpp_build.py); the loader
+// compares it with the installed sources' so that a stale build is never used.
+#ifndef LYNX_CODEC_DIGEST
+#error "build the codec with setup.py (pip install --no-build-isolation), which defines LYNX_CODEC_DIGEST"
+#endif
+#define LYNX_STRINGIFY_(x) #x
+#define LYNX_STRINGIFY(x) LYNX_STRINGIFY_(x)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("source_digest") = LYNX_STRINGIFY(LYNX_CODEC_DIGEST);
   m.def("encode_rows", &encode_rows, "Encode parts rows[i][slots]; per part its Residual bytes, -1 if not finite");
   m.def("decode_rows", &decode_rows, "Decode parts into rows[i][slots]; per part a residual fault code");
   m.def("anchor_params_fault", &anchor_fault, "0, or why an anchor's minimums/scales are corrupt");
