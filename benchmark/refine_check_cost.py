@@ -15,14 +15,14 @@ Residual, checksums on. Each figure is the fastest of ``--repeats`` runs.
 
 from __future__ import annotations
 
-import argparse
 import struct
 import time
 from collections.abc import Callable
 
 import torch
+from checksum_cost import kv_parser, synthetic_kv
 
-from lynx.codec import CodecConfig, KVLayout, encode_pages
+from lynx.codec import CodecConfig, encode_pages
 from lynx.mode import Mode
 from lynx.transfer import Handshake, Notice, NoticeKind, ProgressiveReceiver, RequestLayout, Stream, Upstream
 from lynx.transfer.protocol import TAG, checksum_values, span_checksum
@@ -42,28 +42,10 @@ def fastest(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--residual", choices=["int8", "exact"], default="int8")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    layout = KVLayout(args.layers, args.heads, args.head_dim, torch.bfloat16)
+    args = kv_parser(__doc__, repeats=7).parse_args()
+    layout, k, v, slots = synthetic_kv(args)
     handshake = Handshake(Mode.SPECULATIVE, CodecConfig(residual=args.residual), layout, checksums=True)
     plan = RequestLayout.of(handshake, args.tokens)
-    gen = torch.Generator().manual_seed(0)
-    rows = 2 * args.tokens
-    shape = (rows, args.heads, args.head_dim)
-    k = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(args.layers)]
-    v = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(args.layers)]
-    slots = torch.randperm(rows, generator=gen)[: args.tokens]
     buffer = torch.zeros(2 * plan.receive_nbytes, dtype=torch.uint8)
     receiver = ProgressiveReceiver(
         buffer=buffer,
