@@ -1518,3 +1518,19 @@ def test_a_corrupt_scale_writes_no_row_without_checksums(pairs: Callable[..., Pa
         pair.receiver.write_kv(54, torch.arange(N_TOKENS))
     assert all(not k.any() for k in pair.decode_k)
     assert all(not v.any() for v in pair.decode_v)
+
+
+def test_a_prefill_that_finishes_without_answering_the_offer_leaves_no_space_quarantined(
+    pairs: Callable[..., Pair],
+) -> None:
+    """A prefill without --lynx ignores the offer and reports upstream's Success: the request
+    fails naming it, and its space is free at once (prefill's answer would have come before
+    the Success, on the same socket; without one, nothing can write there). Old, with no
+    timer: quarantined until that prefill died."""
+    pair = pairs()
+    assert pair.reserve(40) is not None
+    verdict, reason = pair.receiver.verdict(40, Upstream.SUCCESS)
+    assert verdict is Verdict.FAIL and "without answering Lynx's handshake" in (reason or "")
+    pair.receiver.forget(40)
+    stats = pair.receiver.stats()
+    assert (stats.quarantined, stats.buffer_used) == (0, 0)

@@ -309,7 +309,14 @@ class ProgressiveReceiver:
                 return Verdict.FAIL, f"no Lynx state for room {room}"
             if state.decoded:
                 return Verdict.READY, None
+            unanswered = state.tracker.state in (ReceiveState.WAITING_SPACE, ReceiveState.OFFERED)
             verdict = state.tracker.verdict(upstream)
+            if unanswered and upstream is Upstream.SUCCESS:
+                # Prefill's notices travel on the socket of upstream's status messages, in
+                # order, and a Lynx prefill answers an offer before it sends a byte: a
+                # Success with no answer before it comes from a prefill without Lynx,
+                # which never learnt where this space is. No write can reach it.
+                state.released = True
             return verdict, state.tracker.error
 
     def residual_verdict(self, room: int) -> tuple[Verdict, str | None]:
