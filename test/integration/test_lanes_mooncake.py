@@ -218,7 +218,10 @@ def test_killed_peer_fails_its_requests_and_others_complete(sender, peers):
         status = lanes.wait(rid, Lane.LOW, timeout=30)
         if peer is doomed:
             assert status.state is StreamState.FAILED, status
-            assert "failed in the engine" in (status.error or "")
+            # A write in the engine fails; a peer whose write failed is probed again before
+            # its next one, and a dead one answers no probe.
+            error = status.error or ""
+            assert "failed in the engine" in error or error == f"peer {doomed.session} unreachable", error
         else:
             assert status.state is StreamState.DONE, status
             assert lanes.status(rid, Lane.HIGH).state is StreamState.DONE
