@@ -17,7 +17,8 @@ in ``upstream.CONTRACT``). Threads: ``_make_worker_recv``'s function runs on ups
 bootstrap/status thread; every other method on the scheduler thread.
 
 * ``mooncake.conn.MooncakeKVManager``: ``__init__``, ``_make_worker_recv`` (take Lynx
-  offers off decode's metadata messages on prefill, Lynx notices on decode),
+  offers off decode's metadata messages on prefill, Lynx notices on decode; drop a peer's
+  message upstream's thread would die of, see ``upstream.unreadable_peer_message``),
   ``add_transfer_request`` (prefill: encode and send instead of the page copy),
   ``build_receiver_metadata_message`` (decode: append the offer),
   ``_handle_abort_notification`` (prefill: stop the request's lanes),
@@ -70,6 +71,7 @@ class LynxKVManager(MooncakeKVManager):
             raise LynxConfigError("LynxKVManager used without --lynx")
         self.lynx_settings = lynx_settings
         self.lynx: LynxRuntime | None = None  # set by lynx_attach, right after construction
+        self.lynx_unreadable_messages = 0  # peer messages dropped before upstream's thread read them
         super().__init__(*args, **kwargs)
 
     def lynx_attach(self, runtime: LynxRuntime) -> None:
@@ -93,11 +95,27 @@ class LynxKVManager(MooncakeKVManager):
             if receiver is not None and receiver.on_message(msg):
                 return None
             frames, offer = split_offer(msg)
+            unreadable = upstream.unreadable_peer_message(self, frames)
+            if unreadable is not None:
+                self._lynx_drop_unreadable(unreadable)
+                return None
             if upstream.manager_is_prefill(self):
                 self._lynx_take_offer(frames, offer)
             return frames
 
         return lynx_recv
+
+    def _lynx_drop_unreadable(self, why: str) -> None:
+        """A peer's message upstream's thread would have died of: dropped, counted, and
+        logged the first time and then every 1,000th, so a flood cannot flood the log."""
+        self.lynx_unreadable_messages += 1
+        if self.lynx_unreadable_messages % 1000 == 1:
+            logger.warning(
+                "Lynx: dropped %d unreadable control message(s) on %s, the last %s",
+                self.lynx_unreadable_messages,
+                upstream.control_endpoint(self),
+                why,
+            )
 
     def _lynx_take_offer(self, frames: list[bytes], offer: bytes | None) -> None:
         """Prefill: decode's per-request metadata arrived (with Lynx's offer, or without)."""

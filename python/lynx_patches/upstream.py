@@ -86,6 +86,15 @@ CONTRACT: tuple[Relied, ...] = (
     _m("sglang.srt.utils.network.NetworkAddress", "to_tcp"),
     _m("sglang.srt.utils.network.NetworkAddress", "is_ipv6"),
     _a(f"{CONN}.TransferInfo", "is_dummy"),
+    # What upstream's control threads read, checked ahead by unreadable_peer_message.
+    _m(f"{CONN}.TransferInfo", "from_zmq", "msg"),
+    _m(f"{CONN}.KVArgsRegisterInfo", "from_zmq", "msg"),
+    _m(_MANAGER, "start_prefill_thread"),
+    _m(_MANAGER, "start_decode_thread"),
+    _m(_MANAGER, "_handle_aux_data", "msg"),
+    _a(_MANAGER, "_staging_ctx"),
+    Relied("sglang.srt.disaggregation.common.staging_handler", "handle_watermark_msg", "function"),
+    Relied("sglang.srt.disaggregation.common.staging_handler", "handle_staging_rsp", "function"),
     _a(f"{BASE_CONN}.KVArgs", "page_size"),
     _a(f"{BASE_CONN}.KVArgs", "engine_rank"),
     Relied("sglang.srt.disaggregation.utils", "DisaggregationMode", "class"),
@@ -333,15 +342,78 @@ class MetadataFrames:
 
 def parse_metadata_frames(frames: Sequence[bytes]) -> MetadataFrames | None:
     """The request fields of a metadata message; None for any other message (e.g. the
-    per-rank registration, whose frame 0 is not a room)."""
-    if len(frames) < 6 or not frames[0].isdigit():
+    per-rank registration, whose frame 0 is not a room) and for one whose fields are not
+    ASCII numbers and names (a peer's garbage: read on upstream's bootstrap thread, which
+    an exception would end)."""
+    if len(frames) < 6 or not frames[0].isdigit() or not frames[2].isdigit():
+        return None
+    try:
+        host, session = frames[1].decode("ascii"), frames[3].decode("ascii")
+    except UnicodeDecodeError:
         return None
     return MetadataFrames(
         room=int(frames[0]),
-        endpoint=(frames[1].decode("ascii"), int(frames[2])),
-        session=frames[3].decode("ascii"),
+        endpoint=(host, int(frames[2])),
+        session=session,
         is_dummy=frames[4] == b"" and frames[5] == b"",
     )
+
+
+# Messages that upstream's control threads parse and act on in one step, so they cannot be
+# parsed ahead, by the side that receives them: the frames each handler reads as ASCII
+# integers, those it reads as ASCII text, and its frame count (``common.staging_handler``;
+# ``MooncakeKVManager._handle_aux_data``, which also unpacks frame 4 as a big-endian u32).
+_READ_BY_HANDLER = {
+    True: {  # prefill
+        b"WATERMARK": ((1, 2), (3,), 3),
+        b"STAGING_RSP": ((1, 2, 3, 4, 5), (6,), 7),
+    },
+    False: {  # decode
+        b"STAGING_REQ": ((1,), (4,), 5),
+        b"AUX_DATA": ((1, 2, 3), (), 6),
+    },
+}
+
+
+def unreadable_peer_message(manager: Any, frames: Sequence[bytes]) -> str | None:
+    """Why upstream's thread on this server's control socket would raise on a peer's
+    message ``frames``; None if it reads it.
+
+    That thread (``MooncakeKVManager.start_prefill_thread`` / ``start_decode_thread``) has
+    no guard: one exception ends it for good, and the server, still healthy to the router,
+    then takes no new request (prefill) or no transfer status (decode). Lynx's receive hook
+    asks this first and drops what upstream could not read. Where upstream's parser has no
+    side effect it is run here (``TransferInfo`` / ``KVArgsRegisterInfo.from_zmq``); the
+    messages of ``_READ_BY_HANDLER`` are read as their handlers read them; the rest (abort
+    notifications and acks, status, ``CHUNK_READY``) upstream reads with guards of its own.
+    """
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG
+    from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo, TransferInfo
+
+    if not frames:
+        return "an empty message"
+    prefill = manager_is_prefill(manager)
+    head = frames[0]
+    handled = _READ_BY_HANDLER[prefill].get(head)
+    if handled is not None:
+        integers, texts, count = handled
+        name = head.decode()
+        if len(frames) < count:
+            return f"{name} with {len(frames)} frames, not {count}"
+        digits = all(frames[i].isdigit() for i in integers)
+        if not digits or not all(frames[i].isascii() for i in texts if i < len(frames)):
+            return f"{name} with fields that are not ASCII"
+        if head == b"AUX_DATA":
+            return None if len(frames[4]) == 4 else "AUX_DATA whose length is not 4 bytes"
+        staging_off = manager._staging_ctx is None
+        return f"{name} while upstream's staging buffers are off" if staging_off else None
+    if not prefill or head == ABORT_TAG:
+        return None  # read by upstream with a guard
+    try:  # upstream's own parsers: any exception is one that would end its thread
+        (KVArgsRegisterInfo if head == b"None" else TransferInfo).from_zmq(list(frames))
+    except Exception as exc:  # whatever they raise, the thread would die of it
+        return f"a message upstream cannot parse ({type(exc).__name__}: {exc})"
+    return None
 
 
 def aborted_room(msg: Sequence[bytes]) -> int | None:

@@ -18,11 +18,14 @@ if is_cpu_engine():
     sgl_kernel.install()
 
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.disaggregation.common.conn import ABORT_TAG, KVTransferError
+from sglang.srt.disaggregation.common.utils import pack_int_lists
+from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from lynx.codec import CodecConfig, KVLayout
 from lynx.lanes import BatchState, LaneConfig, Transfer
 from lynx.transfer import Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Upstream, Verdict
+from lynx_patches import upstream
 from lynx_patches.mooncake_connector import LynxKVReceiver, LynxKVSender
 
 ROOM = 4242
@@ -147,6 +150,53 @@ def prefill_sizes_the_room(pages: int) -> dict:
         sender.close()
 
 
+def peer_messages() -> dict:
+    """What ``upstream.unreadable_peer_message`` says of decode's messages on a prefill
+    server and of prefill's on a decode server (None: upstream's thread may read it)."""
+    request = [b"42", b"10.0.0.1", b"7000", b"10.0.0.1:9", np.arange(3, dtype=np.int32).tobytes(), b"3"]
+    request += [pack_int_lists([], "i"), b"1"]
+    registration = [b"None", b"10.0.0.1", b"7000", b"10.0.0.1:9", b"\0" * 16, b"\0" * 8]
+    registration += [pack_int_lists([], "Q"), b"0", b"1", b"1024"]
+    to_prefill = {
+        "request": request,
+        "registration": registration,
+        "abort": [ABORT_TAG, b"42"],
+        "empty": [],
+        "one garbage frame": [b"\xff" * 64],
+        "huge frame": [b"7" * (32 << 20)],
+        "request, port not a number": [*request[:2], b"x", *request[3:]],
+        "request, host not ASCII": [request[0], b"\xff", *request[2:]],
+        "request, 5 index bytes": [*request[:4], b"12345", *request[5:]],
+        "request, frames cut": request[:5],
+        "registration, frames cut": registration[:6],
+        "watermark while staging is off": [b"WATERMARK", b"1", b"2"],
+        "watermark, not digits": [b"WATERMARK", b"x", b"2"],
+        "aux data": [b"AUX_DATA", b"1", b"0", b"0", b"\0\0\0\1", b"x"],
+    }
+    to_decode = {
+        "status": [b"42", b"2", b"0"],
+        "garbage": [b"\xff" * 64],
+        "aux data": [b"AUX_DATA", b"1", b"0", b"0", b"\0\0\0\1", b"x"],
+        "aux data, room not a number": [b"AUX_DATA", b"x", b"0", b"0", b"\0\0\0\1", b"x"],
+        "aux data, length of 3 bytes": [b"AUX_DATA", b"1", b"0", b"0", b"\0\0\1", b"x"],
+        "aux data, frames cut": [b"AUX_DATA", b"1"],
+        "staging request while staging is off": [b"STAGING_REQ", b"1", b"0", b"0", b"s"],
+    }
+    sides = {
+        "prefill": (DisaggregationMode.PREFILL, to_prefill),
+        "decode": (DisaggregationMode.DECODE, to_decode),
+    }
+    return {
+        side: {
+            name: upstream.unreadable_peer_message(
+                SimpleNamespace(disaggregation_mode=mode, _staging_ctx=None), frames
+            )
+            for name, frames in messages.items()
+        }
+        for side, (mode, messages) in sides.items()
+    }
+
+
 print(
     "PROBE-RESULT "
     + json.dumps(
@@ -154,6 +204,7 @@ print(
             "duplicate_room": duplicate_room(),
             "same_length": prefill_sizes_the_room(PAGES),
             "other_length": prefill_sizes_the_room(PAGES + 1),
+            "peer_messages": peer_messages(),
         }
     )
 )

@@ -34,3 +34,19 @@ def test_prefill_answers_the_offer_when_the_request_is_sized(probe: dict) -> Non
     reason = "decode 10.0.0.2:9000 offered space for 24 tokens, this prefill server's request has 28"
     assert other["notices"] == [["REJECT", True, reason]]
     assert other["refusal"] == reason
+
+
+def test_a_peer_message_upstream_would_die_of_is_refused_first(probe: dict) -> None:
+    """Upstream's control threads have no guard: one message they cannot parse (a port that
+    is not a number, five bytes of page ids, a frame of garbage) ended prefill's bootstrap
+    thread for good, and Lynx's own parse of the metadata raised on it first. What upstream
+    reads passes; the rest is refused with a reason."""
+    prefill, decode = probe["peer_messages"]["prefill"], probe["peer_messages"]["decode"]
+    readable = {"request", "registration", "abort"}
+    assert {name for name, why in prefill.items() if why is None} == readable, prefill
+    assert "TransferInfo" not in prefill["request, port not a number"]  # named by what failed
+    assert "ValueError" in prefill["request, port not a number"]
+    assert prefill["watermark while staging is off"] == "WATERMARK while upstream's staging buffers are off"
+    assert prefill["watermark, not digits"] == "WATERMARK with fields that are not ASCII"
+    assert {name for name, why in decode.items() if why is None} == {"status", "garbage", "aux data"}, decode
+    assert decode["aux data, frames cut"] == "AUX_DATA with 2 frames, not 6"
