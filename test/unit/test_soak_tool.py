@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lynx.tools import soak
-from lynx.tools.cluster import ClusterError
+from lynx.tools.cluster import ClusterError, lynx_control_endpoint
 
 
 def test_prompts_are_distinct_and_the_same_on_every_run() -> None:
@@ -16,17 +16,21 @@ def test_prompts_are_distinct_and_the_same_on_every_run() -> None:
     assert first == again and len(set(first)) == 6
 
 
-def test_the_notice_endpoint_comes_from_decodes_ready_line(tmp_path: Path) -> None:
-    # The line lynx_patches.runtime logs when the decode side is built.
+def test_the_control_endpoint_comes_from_the_ready_line(tmp_path: Path) -> None:
+    # The lines lynx_patches.runtime logs when each side is built.
     log = tmp_path / "decode.log"
     log.write_text(
         "[2026-11-30 22:29:51] Lynx decode side ready: mode=speculative anchor_bits=4 ...; "
         "receive buffer 10.8 MiB; notices on tcp://127.0.0.1:41733\n"
     )
-    assert soak.notice_endpoint(log) == "tcp://127.0.0.1:41733"
+    assert lynx_control_endpoint(log) == "tcp://127.0.0.1:41733"
+    log.write_text(
+        "[...] Lynx prefill side ready: mode=full ...; send buffer 8.0 MiB; offers on tcp://10.0.0.2:5\n"
+    )
+    assert lynx_control_endpoint(log) == "tcp://10.0.0.2:5"
     log.write_text("no Lynx here\n")
-    with pytest.raises(ClusterError, match="no notice endpoint"):
-        soak.notice_endpoint(log)
+    with pytest.raises(ClusterError, match="no Lynx control endpoint"):
+        lynx_control_endpoint(log)
 
 
 def test_the_tally_keeps_outcomes_and_error_texts() -> None:
@@ -63,3 +67,11 @@ def test_a_first_difference_beyond_the_near_tie_gap_or_outside_the_top_is_wrong(
 def test_the_reference_reads_upstreams_top_logprobs() -> None:
     answer = {"output_ids": [4], "meta_info": {"output_top_logprobs": [[[-0.5, 4, None], [-0.9, 1, None]]]}}
     assert soak.Reference.of(answer) == soak.Reference([4], [{4: -0.5, 1: -0.9}])
+
+
+def test_with_a_key_file_both_sides_sign() -> None:
+    prefill, decode = soak.lynx_args(0.4, Path("/etc/lynx/key"))
+    for side in (prefill, decode):
+        assert side[side.index("--lynx-auth-key-file") + 1] == "/etc/lynx/key"
+    assert all("--lynx-auth-key-file" not in side for side in soak.lynx_args(0.4))
+    assert "--lynx-residual-hold" in prefill and "--lynx-residual-hold" not in decode

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -81,6 +82,17 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def lynx_control_endpoint(log: Path) -> str:
+    """Where the Lynx server that writes ``log`` hears its peer's control messages (offers
+    on prefill, notices on decode): the ZMQ endpoint its "side ready" line names
+    (:mod:`lynx_patches.runtime`), at which a drill aims forged messages."""
+    text = log.read_text(errors="replace")
+    match = re.search(r"Lynx (?:prefill|decode) side ready: .* on (tcp://\S+)", text)
+    if match is None:
+        raise ClusterError(f"no Lynx control endpoint in {log}")
+    return match.group(1)
 
 
 def http_json(url: str, payload: Mapping[str, Any] | None = None, timeout: float = 600.0) -> Any:
