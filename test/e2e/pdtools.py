@@ -18,6 +18,54 @@ import pytest
 
 from lynx.tools.cluster import HOST, ServerConfig, SingleServer, free_port, http_json
 
+# Small chunks make prefill send several chunks per request, as long prompts do.
+COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
+# Upstream's strict idle memory check and KV page invariants, on every server that runs them.
+CHECKS = {"SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+
+# The tiny model's prompts: short ones, and one of several prefill chunks and Lynx segments.
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time " * 30,  # ~500 tokens: four prefill chunks of 128, two Lynx segments
+    "1, 2, 3, 4, 5,",
+]
+
+# The shared speculative decode (conftest's ``PS``/``DS``): the Residual arrives late on
+# purpose, and the Anchors are 2-bit on a tiny random model, so held tokens are often
+# wrong: its users see both accepted and rejected speculation.
+SPEC_HOLD_S = 1.5
+SPEC_DEADLINE_S = 6.0
+SPEC_CAP = 8
+SPEC_EXACT = [  # the default residual: lossless
+    "--lynx",
+    "--lynx-mode",
+    "speculative",
+    "--lynx-anchor-bits",
+    "2",
+    "--lynx-max-speculative-tokens",
+    str(SPEC_CAP),
+    "--lynx-transfer-deadline",
+    str(SPEC_DEADLINE_S),
+    "--lynx-residual-hold",
+    str(SPEC_HOLD_S),
+]
+
+
+def batch_variant(model: Path, env: dict[str, str]) -> ServerConfig:
+    """FP32 arithmetic over a BF16 KV pool: the KV pool and the wire hold a BF16
+    deployment's KV, and the CPU's FP32 matrix products (MKL) round a row differently with
+    the batch's size, as GPU kernels and oneDNN's BF16 ones do (this host's BF16 products
+    may not): only a verify pass that computes each held row as its decode step did can
+    equal plain PD here."""
+    return ServerConfig(
+        model_path=model,
+        max_total_tokens=4096,
+        extra_args=[*COMMON, "--dtype", "float32", "--kv-cache-dtype", "bf16"],
+        env=env,
+    )
+
 
 class Prefill(SingleServer):
     def __init__(self, config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> None:
@@ -55,11 +103,13 @@ def pd_generate(
     rid: str | None = None,
     sampling: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    timeout_s: float = 180.0,
 ) -> dict:
     """What the router does for one request: the same body, with bootstrap fields, to both
     servers at once; the answer is decode's. Raises HTTPError with decode's error.
     Greedy, ``max_new_tokens`` tokens whatever EOS says, unless ``sampling`` overrides;
-    ``extra``: more top-level fields (e.g. ``return_logprob``)."""
+    ``extra``: more top-level fields (e.g. ``return_logprob``); the client hangs up on
+    both servers after ``timeout_s`` (TimeoutError)."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})}
     body: dict[str, Any] = {
         "text": prompt,
@@ -72,18 +122,18 @@ def pd_generate(
     if rid is not None:
         body["rid"] = rid
     with ThreadPoolExecutor(2) as pool:
-        to_prefill = pool.submit(_post_ignoring_errors, prefill.url + "/generate", body)
-        answer = pool.submit(http_json, decode.url + "/generate", body, 180)
+        to_prefill = pool.submit(_post_ignoring_errors, prefill.url + "/generate", body, timeout_s)
+        answer = pool.submit(http_json, decode.url + "/generate", body, timeout_s)
         try:
             return answer.result()
         finally:
             to_prefill.result()
 
 
-def _post_ignoring_errors(url: str, body: dict) -> None:
+def _post_ignoring_errors(url: str, body: dict, timeout_s: float) -> None:
     # Prefill's own answer carries nothing the client uses.
     with contextlib.suppress(urllib.error.URLError, OSError):
-        http_json(url, body, timeout=180)
+        http_json(url, body, timeout=timeout_s)
 
 
 def error_of(call: Callable[[], object]) -> str:

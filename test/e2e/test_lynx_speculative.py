@@ -1,17 +1,15 @@
 """``--lynx-mode speculative`` between real prefill and decode servers: decoding on the
 Anchor, held tokens, one-pass verification, rollback, exactness, faults.
 
-The Residual arrives late on purpose (``--lynx-residual-hold``), and the Anchors are
-2-bit on a tiny random model, so held tokens are often wrong: the tests see both
-accepted and rejected speculation. Servers, started once for the module:
+Servers, started once for the module, and (conftest's ``SharedServers``) shared with
+other modules:
 
-* ``PS``/``DS``: speculative, exact residual (its output and logprobs must equal plain
-  PD's bit for bit); ``DS`` with ``--enable-metrics``;
-* ``P0``/``D0``: plain PD without Lynx (the reference);
-  both pairs compute in FP32 over a BF16 KV pool: the CPU's FP32 matrix products (MKL)
-  round a row differently with the batch's size, as GPU kernels and oneDNN's BF16 ones
-  do (this host's BF16 products may not), so only a verify pass that computes each held
-  row as its decode step did can equal plain PD here;
+* ``PS``/``DS`` (shared): speculative, exact residual, held back so every request
+  speculates on 2-bit Anchors, whose held tokens are often wrong (its output and logprobs
+  must equal plain PD's bit for bit); ``DS`` with ``--enable-metrics``;
+* ``P0``/``D0`` (shared): plain PD without Lynx (the reference); both pairs compute in
+  FP32 over a BF16 KV pool (``pdtools.batch_variant``: only a verify pass that computes
+  each held row as its decode step did can equal plain PD there);
 * ``PI``/``DI``: speculative, INT8 residual; ``DI`` retracts every few steps
   (``SGLANG_TEST_RETRACT``), which parks speculating requests;
 * ``PF``/``DF``: ``full`` mode, INT8 residual (the reference for ``DI`` and ``DP``);
@@ -35,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SharedServers
 from pdtools import (
+    CHECKS,
+    COMMON,
+    SPEC_CAP,
+    SPEC_DEADLINE_S,
+    SPEC_EXACT,
     Prefill,
     decode_server,
     error_of,
@@ -46,28 +50,15 @@ from pdtools import (
     state,
     wait_for,
 )
+from pdtools import (
+    PROMPTS as COMMON_PROMPTS,
+)
 
-from lynx.tools.cluster import HOST, ServerConfig, http_json, running
+from lynx.tools.cluster import HOST, ServerConfig, http_json
 
 pytestmark = pytest.mark.e2e
 
-HOLD_S = 1.5
-DEADLINE_S = 6.0
-CAP = 8
-COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
-SPEC_EXACT = [  # the default residual: lossless
-    "--lynx",
-    "--lynx-mode",
-    "speculative",
-    "--lynx-anchor-bits",
-    "2",
-    "--lynx-max-speculative-tokens",
-    str(CAP),
-    "--lynx-transfer-deadline",
-    str(DEADLINE_S),
-    "--lynx-residual-hold",
-    str(HOLD_S),
-]
+SHARED_SERVERS = ("PS", "DS", "P0", "D0")
 SPEC = [*SPEC_EXACT, "--lynx-residual", "int8"]
 # Protected tokens (key blocks of 16): a short prompt is covered whole, a long one keeps
 # its first 16 and last 32 tokens exact on the Anchor lane.
@@ -79,39 +70,23 @@ FULL_INT8 = [
     "--lynx-residual",
     "int8",
     "--lynx-transfer-deadline",
-    str(DEADLINE_S),
+    str(SPEC_DEADLINE_S),
 ]
-CHECKS = {"SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
-PROMPTS = [
-    "Hello",
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time " * 30,  # ~500 tokens: several prefill chunks and Lynx segments
-    "1, 2, 3, 4, 5,",
-    "In a hole in the ground there lived",
-]
+PROMPTS = [*COMMON_PROMPTS, "In a hole in the ground there lived"]
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
+def servers(
+    request: pytest.FixtureRequest, shared: SharedServers, tiny_model: Path, log_dir: Path
+) -> Iterator[dict[str, Any]]:
     config = ServerConfig(model_path=tiny_model, max_total_tokens=4096, extra_args=COMMON, env=CHECKS)
-    batch_variant = ServerConfig(
-        model_path=tiny_model,
-        max_total_tokens=4096,
-        extra_args=[*COMMON, "--dtype", "float32", "--kv-cache-dtype", "bf16"],
-        env=CHECKS,
-    )
     retracting = ServerConfig(
         model_path=tiny_model,
         max_total_tokens=4096,
         extra_args=COMMON,
         env={**CHECKS, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "5"},
     )
-    group: dict[str, Any] = {
-        "PS": Prefill(batch_variant, log_dir, "PS", SPEC_EXACT),
-        "DS": decode_server(batch_variant, log_dir, "DS", [*SPEC_EXACT, "--enable-metrics"]),
-        "P0": Prefill(batch_variant, log_dir, "P0", []),
-        "D0": decode_server(batch_variant, log_dir, "D0", []),
+    own: dict[str, Any] = {
         "PI": Prefill(config, log_dir, "PI", SPEC),
         "DI": decode_server(retracting, log_dir, "DI", [*SPEC]),
         "PF": Prefill(config, log_dir, "PF", FULL_INT8),
@@ -119,7 +94,7 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
         "PP": Prefill(config, log_dir, "PP", SPEC_PROTECTED),
         "DP": decode_server(config, log_dir, "DP", [*SPEC_PROTECTED]),
     }
-    with running(group):
+    with shared.running(request, own) as group:
         yield group
 
 
@@ -200,7 +175,7 @@ def test_a_stop_among_held_tokens_finishes_only_after_verification(servers: dict
     prompt = PROMPTS[1]
     reference = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24)["output_ids"]
     # a token first decoded on the Anchor (held), within the first CAP tokens
-    stop = next(t for i, t in enumerate(reference) if 3 <= i < CAP and t not in reference[:i])
+    stop = next(t for i, t in enumerate(reference) if 3 <= i < SPEC_CAP and t not in reference[:i])
     sampling = {"ignore_eos": False, "stop_token_ids": [stop]}
     spec = pd_generate(servers["PS"], servers["DS"], prompt, max_new_tokens=24, sampling=sampling)
     plain = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24, sampling=sampling)
@@ -338,7 +313,9 @@ def test_a_residual_that_never_lands_fails_only_its_request(servers: dict, idle_
             signal_group(prefill, signal.SIGCONT)
     assert "Residual did not land" in error, error
     wait_for(
-        lambda: idle(servers["DS"], idle_kv["DS"]), "idle after the deadline", timeout_s=3 * DEADLINE_S + 30
+        lambda: idle(servers["DS"], idle_kv["DS"]),
+        "idle after the deadline",
+        timeout_s=3 * SPEC_DEADLINE_S + 30,
     )
     assert pd_generate(prefill, servers["DS"], PROMPTS[0])["meta_info"]["completion_tokens"] == 16
 

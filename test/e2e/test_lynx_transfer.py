@@ -8,8 +8,8 @@ on the tiny model and started once for the module:
 * ``P`` (prefill), ``D1``/``D2`` (decode): ``--lynx`` full mode with the exact residual,
   Residual writes held ``HOLD_S`` seconds (a slow link on demand: the window in which
   the fault tests strike); ``D1`` with ``--enable-metrics``;
-* ``P0``/``D0``: plain PD without ``--lynx`` (the BF16 reference, and the peers without
-  Lynx for the pairing tests);
+* ``P0``/``D0``: plain PD without ``--lynx`` (the reference, and the peers without Lynx
+  for the pairing tests): conftest's shared pair;
 * ``PA``/``DA``: ``--lynx-mode anchor-only`` with 2-bit Anchors.
 
 The router path (OpenAI API, streaming) with ``--lynx`` is in test_pd_cluster.py.
@@ -17,7 +17,9 @@ The router path (OpenAI API, streaming) with ``--lynx`` is in test_pd_cluster.py
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import signal
 import urllib.error
 import urllib.request
@@ -28,12 +30,25 @@ from typing import Any
 
 import pytest
 import torch
-from pdtools import Prefill, decode_server, error_of, idle, pd_generate, signal_group, state, wait_for
+from conftest import SharedServers
+from pdtools import (
+    PROMPTS,
+    Prefill,
+    batch_variant,
+    decode_server,
+    error_of,
+    idle,
+    pd_generate,
+    signal_group,
+    state,
+    wait_for,
+)
 
 from lynx.codec import CodecConfig, KVLayout
 from lynx.mode import Mode
-from lynx.tools.cluster import ServerConfig, SingleServer, http_json, running
+from lynx.tools.cluster import HOST, SingleServer, http_json, lynx_control_endpoint
 from lynx.transfer import RequestLayout
+from lynx.transfer.protocol import TAG, Handshake, Notice, NoticeKind, Offer, Stream
 
 pytestmark = pytest.mark.e2e
 
@@ -41,43 +56,30 @@ HOLD_S = 2.0
 # Below upstream's dead-prefill detection (heartbeat every 5 s, two misses), so a stalled
 # prefill is caught by Lynx's own deadline.
 DEADLINE_S = 6.0
-COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
 EXACT = ["--lynx", "--lynx-residual", "exact", "--lynx-transfer-deadline", str(DEADLINE_S)]
 HELD = [*EXACT, "--lynx-residual-hold", str(HOLD_S)]
 ANCHOR_ONLY = ["--lynx", "--lynx-mode", "anchor-only", "--lynx-anchor-bits", "2"]
-PROMPTS = [
-    "Hello",
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time " * 30,  # ~500 tokens: four prefill chunks, two Lynx segments
-    "1, 2, 3, 4, 5,",
-]
+
+
+SHARED_SERVERS = ("P0", "D0")
 
 
 @pytest.fixture(scope="module")
-def config(tiny_model: Path) -> ServerConfig:
-    # A decode whose prefill died holds the failed requests' pages for a drain ACK that never
-    # comes, until upstream's release timeout (30 s by default): shorter here.
-    return ServerConfig(
-        model_path=tiny_model,
-        max_total_tokens=4096,
-        extra_args=COMMON,
-        env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "10"},
-    )
-
-
-@pytest.fixture(scope="module")
-def servers(config: ServerConfig, log_dir: Path) -> Iterator[dict[str, Any]]:
-    group: dict[str, Any] = {
+def servers(
+    request: pytest.FixtureRequest, shared: SharedServers, tiny_model: Path, log_dir: Path
+) -> Iterator[dict[str, Any]]:
+    # The shared reference computes in FP32 over a BF16 KV pool: so do these. A decode whose
+    # prefill died holds the failed requests' pages for a drain ACK that never comes, until
+    # upstream's release timeout (30 s by default): shorter here.
+    config = batch_variant(tiny_model, {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "10"})
+    own: dict[str, Any] = {
         "P": Prefill(config, log_dir, "P", HELD),
         "D1": decode_server(config, log_dir, "D1", [*HELD, "--enable-metrics"]),
         "D2": decode_server(config, log_dir, "D2", HELD),
-        "P0": Prefill(config, log_dir, "P0", []),
-        "D0": decode_server(config, log_dir, "D0", []),
         "PA": Prefill(config, log_dir, "PA", ANCHOR_ONLY),
         "DA": decode_server(config, log_dir, "DA", ANCHOR_ONLY),
     }
-    with running(group):
+    with shared.running(request, own) as group:
         yield group
 
 
@@ -97,7 +99,7 @@ def kv_layout(model: Path) -> KVLayout:
 # ---- exactness and bytes ---------------------------------------------------------------
 
 
-def test_full_mode_with_exact_residual_equals_plain_bf16_pd(servers: dict, idle_kv: dict) -> None:
+def test_full_mode_with_exact_residual_equals_plain_pd(servers: dict, idle_kv: dict) -> None:
     for prompt in PROMPTS:
         lynx = pd_generate(servers["P"], servers["D1"], prompt)
         plain = pd_generate(servers["P0"], servers["D0"], prompt)
@@ -160,6 +162,110 @@ def test_lynx_on_one_side_only_is_refused(servers: dict) -> None:
 def test_servers_keep_serving_after_refusals(servers: dict, idle_kv: dict) -> None:
     assert len(pd_generate(servers["P"], servers["D1"], "Hello")["output_ids"]) == 16
     wait_for(lambda: idle(servers["P"]) and idle(servers["D1"], idle_kv["D1"]), "idle")
+
+
+# ---- hostile peers, hang-ups --------------------------------------------------------------
+
+
+def _push(endpoint: str, messages: list[list[bytes]]) -> None:
+    import zmq  # a dependency of SGLang's, not of Lynx's core
+
+    context = zmq.Context()
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 10_000)  # every message out before close returns
+    socket.connect(endpoint)
+    for message in messages:
+        socket.send_multipart(message)
+    socket.close()
+    context.term()
+
+
+def test_what_no_peer_should_send_ends_no_server(servers: dict, idle_kv: dict, tiny_model: Path) -> None:
+    """Garbage on either server's control socket (noise, a 32 MiB frame, metadata whose port
+    is not a number or whose page ids are 5 bytes, forged Lynx notices) is dropped, and a
+    well-formed offer for a live request whose receive space wraps past 2^64 fails that
+    request alone: both servers serve on, exactly. Before, one frame of noise ended
+    prefill's bootstrap thread (upstream's, fed by Lynx's hook), after which prefill,
+    healthy to the router, took no request any more; and the hostile offer was accepted
+    and ended prefill at its first write."""
+    prefill, decode = servers["P"], servers["D1"]
+    first = pd_generate(prefill, decode, PROMPTS[2])
+    room, nonce = random.getrandbits(62), random.getrandbits(64)
+    handshake = Handshake(Mode.FULL, CodecConfig(residual="exact"), kv_layout(tiny_model), checksums=True)
+    n_tokens = first["meta_info"]["prompt_tokens"]
+    sent = RequestLayout.sent_nbytes_of(handshake, n_tokens)
+    wraps = Offer(
+        handshake.to_wire(),
+        nonce,
+        (1 << 64) - 4096,
+        sent[Stream.ANCHOR],
+        1 << 40,
+        sent[Stream.RESIDUAL],
+        n_tokens,
+    )
+    metadata = [str(room).encode(), b"127.0.0.1", b"1", b"forged:1", b"\0" * 4 * n_tokens, b"0", b"", b"1"]
+    # the request whose room the offer claims, on prefill alone
+    body = {"text": PROMPTS[2], "bootstrap_host": HOST, "bootstrap_port": prefill.bootstrap_port}
+    _in_background(lambda: _post_quietly(prefill.url + "/generate", {**body, "bootstrap_room": room}))
+    _push(
+        lynx_control_endpoint(prefill.processes[0].log_path),
+        [
+            [b"\xff" * 64],
+            [b"7" * (32 << 20)],
+            [*metadata[:2], b"port", *metadata[3:]],
+            [*metadata[:4], b"12345", *metadata[5:]],
+            [b"WATERMARK", b"1"],
+            [*metadata, TAG, wraps.to_wire()],
+        ],
+    )
+    _push(
+        lynx_control_endpoint(decode.processes[0].log_path),
+        [
+            [b"\xff" * 64],
+            [b"\xff" * (32 << 20)],
+            [b"AUX_DATA", b"x"],
+            [b"STAGING_REQ", b"1", b"0", b"0", b"s"],
+            Notice(NoticeKind.LANDED, room, nonce=nonce, stream=Stream.RESIDUAL, nbytes=1 << 40).to_frames(),
+            Notice(NoticeKind.RELEASED, room, nonce=nonce).to_frames(),
+        ],
+    )
+    for server, said in ((prefill, "offered receive space no write can reach"), (decode, "unreadable")):
+        log = server.processes[0].log_path
+        wait_for(lambda log=log, said=said: said in log.read_text(errors="replace"), f"logged {said!r}")
+    assert "unreadable control message" in prefill.processes[0].log_path.read_text(errors="replace")
+    for _ in range(2):
+        assert pd_generate(prefill, decode, PROMPTS[2])["output_ids"] == first["output_ids"]
+    wait_for(lambda: idle(prefill) and idle(decode, idle_kv["D1"]), "idle")
+
+
+def _post_quietly(url: str, body: dict) -> dict:
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        return http_json(url, body, timeout=120)
+    return {}
+
+
+def test_clients_that_hang_up_leave_nothing_behind(servers: dict, idle_kv: dict) -> None:
+    """32 clients send a request each and hang up within 0.3-2 s: some while decode waits
+    for KV space (their prompts need more than its pool), some while the Anchor or the held
+    Residual crosses. Upstream aborts each on both servers; every page, buffer byte and room
+    comes back, and the next request is exact."""
+    prefill, decode = servers["P"], servers["D1"]
+    expected = pd_generate(prefill, decode, PROMPTS[3])["output_ids"]
+    rng = random.Random(26)
+    patience = [rng.uniform(0.3, 2.0) for _ in range(32)]
+
+    def hang_up(i: int) -> str:
+        try:
+            pd_generate(prefill, decode, PROMPTS[i % len(PROMPTS)], timeout_s=patience[i])
+        except (TimeoutError, urllib.error.URLError) as exc:
+            return type(exc).__name__
+        return "answered"
+
+    with ThreadPoolExecutor(len(patience)) as pool:
+        outcomes = list(pool.map(hang_up, range(len(patience))))
+    assert outcomes.count("answered") < len(outcomes) // 2, outcomes
+    wait_for(lambda: idle(prefill) and idle(decode, idle_kv["D1"]), "idle after the hang-ups", timeout_s=90)
+    assert pd_generate(prefill, decode, PROMPTS[3])["output_ids"] == expected
 
 
 # ---- faults -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ for the module; the speculative ones run upstream's default overlap scheduler:
   after some tokens on this random-weight model, so compare at equal TP);
 * ``PS``/``DS``: speculative, exact residual, the Residual held back so every request
   speculates, 2-bit Anchors so held tokens are often rejected, at TP 2;
-* ``P1``/``D1``: the same Lynx flags at TP 1, the peers of the mixed-TP pairing tests.
+* ``P1``/``D1``: Lynx with the same Anchor and Residual at TP 1, the peers of the mixed-TP
+  pairing tests: conftest's shared speculative pair.
 
 On the CPU engine TP 2 needs ``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank).
 """
@@ -22,13 +23,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdtools import Prefill, decode_server, error_of, idle, pd_generate, speculation, state, wait_for
+from conftest import SharedServers
+from pdtools import (
+    CHECKS,
+    COMMON,
+    PROMPTS,
+    Prefill,
+    decode_server,
+    error_of,
+    idle,
+    pd_generate,
+    speculation,
+    state,
+    wait_for,
+)
 
-from lynx.tools.cluster import ServerConfig, running
+from lynx.tools.cluster import ServerConfig
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
 SPEC = [
     "--lynx",
     "--lynx-mode",
@@ -49,23 +62,23 @@ SPEC = [
     "--lynx-residual-hold",
     "4",
 ]
-CHECKS = {"SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
-PROMPTS = [
-    "Hello",
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time " * 30,  # ~500 tokens: several prefill chunks and Lynx segments
-    "1, 2, 3, 4, 5,",
-]
+
+
+SHARED_SERVERS = {"P1": "PS", "D1": "DS"}
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
+def servers(
+    request: pytest.FixtureRequest, shared: SharedServers, tiny_model: Path, log_dir: Path
+) -> Iterator[dict[str, Any]]:
     def config(tp: int) -> ServerConfig:
         return ServerConfig(
             model_path=tiny_model,
             max_total_tokens=4096,
-            extra_args=[*COMMON, "--tp-size", str(tp)],
+            # The KV pool's dtype named as the shared TP 1 peers name it: upstream compares the
+            # flag's text when a prefill pairs, and a decode that finds "auto" against "bf16"
+            # (the same dtype) raises in its scheduler loop and exits.
+            extra_args=[*COMMON, "--kv-cache-dtype", "bf16", "--tp-size", str(tp)],
             env={**CHECKS, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else CHECKS,
         )
 
@@ -74,11 +87,9 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
         "D0": decode_server(config(2), log_dir, "D0", []),
         "PS": Prefill(config(2), log_dir, "PS", SPEC),
         "DS": decode_server(config(2), log_dir, "DS", SPEC),
-        "P1": Prefill(config(1), log_dir, "P1", SPEC),
-        "D1": decode_server(config(1), log_dir, "D1", SPEC),
     }
-    with running(group):
-        yield group
+    with shared.running(request, group) as everything:
+        yield everything
 
 
 @pytest.fixture(scope="module")
