@@ -12,6 +12,9 @@ on the tiny model and started once for the module:
   for the pairing tests): conftest's shared pair;
 * ``PA``/``DA``: ``--lynx-mode anchor-only`` with 2-bit Anchors.
 
+All compute in FP32 over a BF16 KV pool, as the shared reference does (the KV that
+crosses is a BF16 deployment's).
+
 The router path (OpenAI API, streaming) with ``--lynx`` is in test_pd_cluster.py.
 """
 
