@@ -1,6 +1,7 @@
 """``lynx.tools.cluster.PDCluster``'s command lines for several prefill and decode servers,
 and for each side in its own network namespace (the servers themselves run in
-``test/e2e/test_pd_cluster.py`` and ``test/e2e/test_demo.py``), and its streamed-answer reader."""
+``test/e2e/test_pd_cluster.py`` and ``test/e2e/test_demo.py``), its retry on ports taken
+before a server bound them, and its streamed-answer reader."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import ClassVar
 import pytest
 
 from lynx.tools import netlink
-from lynx.tools.cluster import PDCluster, ServerConfig, stream_json
+from lynx.tools.cluster import PORT_ATTEMPTS, ClusterError, PDCluster, ServerConfig, free_port, stream_json
 
 
 def test_the_router_gets_every_prefill_with_its_bootstrap_port_and_every_decode(tmp_path: Path) -> None:
@@ -99,6 +100,57 @@ class _EventStream(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+def test_handed_out_ports_avoid_the_ranges_mooncake_and_sglang_pick_their_own_from() -> None:
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == 300
+    assert not [port for port in ports if 15000 <= port <= 17000 or 22000 <= port <= 29999]
+
+
+class _ClusterWhoseServersFail(PDCluster):
+    """Its servers fail to start ``failures`` times, writing ``log_line`` to decode's log;
+    records the commands each attempt would have run."""
+
+    def __init__(self, log_dir: Path, failures: int, log_line: str) -> None:
+        super().__init__(ServerConfig(model_path=log_dir), log_dir, prefills=2)
+        self.failures, self.log_line = failures, log_line
+        self.attempts: list[list[list[str]]] = []
+
+    def _start_once(self, timeout_s: float) -> None:
+        self.attempts.append([argv for _, argv, _ in self._servers] + [self._router_argv])
+        if len(self.attempts) <= self.failures:
+            (self.log_dir / "decode.log").write_text(self.log_line)
+            raise ClusterError("decode did not start")
+
+
+TAKEN = (
+    "ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', 16042): address already in use"
+)
+
+
+def test_a_cluster_whose_port_was_taken_restarts_on_fresh_ports(tmp_path: Path) -> None:
+    cluster = _ClusterWhoseServersFail(tmp_path, failures=1, log_line=TAKEN)
+    assert cluster.start() is cluster
+    first, second = cluster.attempts
+    ports = [
+        cluster.router_port,
+        *cluster.bootstrap_ports,
+        *(int(u.rsplit(":", 1)[1]) for u in cluster.prefill_urls),
+    ]
+    assert not any(str(port) in argv for port in ports for argv in first)
+    assert all(str(port) in " ".join(" ".join(argv) for argv in second) for port in ports)
+
+
+def test_a_cluster_gives_up_after_its_attempts_or_on_any_other_failure(tmp_path: Path) -> None:
+    always_taken = _ClusterWhoseServersFail(tmp_path, failures=PORT_ATTEMPTS, log_line=TAKEN)
+    with pytest.raises(ClusterError):
+        always_taken.start()
+    assert len(always_taken.attempts) == PORT_ATTEMPTS
+    crashed = _ClusterWhoseServersFail(tmp_path, failures=1, log_line="RuntimeError: out of memory")
+    with pytest.raises(ClusterError):
+        crashed.start()
+    assert len(crashed.attempts) == 1
 
 
 @pytest.fixture

@@ -56,8 +56,16 @@ def _port_was_taken(log: Path) -> bool:
         return False
 
 
+# Ports the servers choose for themselves at random: Mooncake's RPC and TCP transport
+# listeners (``findAvailableTcpPort``, 15000-17000) and SGLang's NCCL/rendezvous port
+# (``get_free_port_below_ephemeral``, 22000-29999). Handing one of them to a server invites a
+# collision that only shows when the server binds.
+_SERVERS_OWN_PORTS = (range(15000, 17001), range(22000, 30000))
+
+
 def free_port() -> int:
-    """A currently free TCP port below the kernel's ephemeral range.
+    """A currently free TCP port below the kernel's ephemeral range and outside the ranges
+    the servers pick their own ports from.
 
     Port 0 would hand out an ephemeral port, which the servers' own outgoing sockets
     (ZMQ, Mooncake, HTTP clients) may take before the server binds it.
@@ -65,7 +73,7 @@ def free_port() -> int:
     low = max(_ephemeral_low(), 10500)
     for _ in range(1000):
         port = random.randrange(10000, low)
-        if port in _handed_out:
+        if port in _handed_out or any(port in taken for taken in _SERVERS_OWN_PORTS):
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
@@ -255,6 +263,35 @@ class _Group:
             proc.stop()
         self.processes.clear()
 
+    @property
+    def log_paths(self) -> list[Path]:
+        return [proc.log_path for proc in self.processes]
+
+    def _assign_ports(self) -> None:
+        """Choose fresh ports and rebuild every command that names them."""
+        raise NotImplementedError
+
+    def _start_once(self, timeout_s: float) -> None:
+        """Launch every process and wait until the group serves; raises ClusterError."""
+        raise NotImplementedError
+
+    def _start(self, timeout_s: float) -> None:
+        # A port free when handed out can be taken before the server binds it (by another
+        # server's Mooncake engine or SGLang's own internal ports): retry on fresh ones.
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self._start_once(timeout_s)
+                return
+            except ClusterError:
+                taken = any(_port_was_taken(path) for path in self.log_paths)
+                self.stop()
+                if attempt + 1 == PORT_ATTEMPTS or not taken:
+                    raise
+                self._assign_ports()
+            except BaseException:
+                self.stop()
+                raise
+
     def __enter__(self) -> _Group:
         return self
 
@@ -282,30 +319,20 @@ class SingleServer(_Group):
         )
         self._log = log_dir / f"{name}.log"
         self.name = name
-        self._use_port(free_port())
+        self._assign_ports()
 
-    def _use_port(self, port: int) -> None:
-        self.port = port
-        self.url = f"http://{self.config.host}:{port}"
-        self._argv = [*self.config.base_argv(port), *self._args]
+    def _assign_ports(self) -> None:
+        self.port = free_port()
+        self.url = f"http://{self.config.host}:{self.port}"
+        self._argv = [*self.config.base_argv(self.port), *self._args]
+
+    def _start_once(self, timeout_s: float) -> None:
+        proc = self.launch(ManagedProcess(self.name, self._argv, self._log, self._env))
+        _wait_until(lambda: _healthy(self.url), [proc], timeout_s, self.name)
 
     def start(self, timeout_s: float = 600.0) -> SingleServer:
-        # A port free when handed out can be taken before the server binds it (by another
-        # server's Mooncake engine or SGLang's own internal ports): retry on a new one.
-        for attempt in range(PORT_ATTEMPTS):
-            try:
-                proc = self.launch(ManagedProcess(self.name, self._argv, self._log, self._env))
-                _wait_until(lambda: _healthy(self.url), [proc], timeout_s, self.name)
-                return self
-            except ClusterError:
-                self.stop()
-                if attempt + 1 == PORT_ATTEMPTS or not _port_was_taken(self._log):
-                    raise
-                self._use_port(free_port())
-            except BaseException:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
+        self._start(timeout_s)
+        return self
 
     def __enter__(self) -> SingleServer:
         return self.start()
@@ -344,8 +371,17 @@ class PDCluster(_Group):
             )
         self.config = config
         self.log_dir = log_dir
-        prefill_config = prefill_config or config
-        decode_config = decode_config or config
+        self._prefill_config = prefill_config or config
+        self._decode_config = decode_config or config
+        self._counts = (prefills, decodes)
+        self._transfer_backend = transfer_backend
+        self._args = (list(prefill_args), list(decode_args), list(router_args))
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        prefill_config, decode_config = self._prefill_config, self._decode_config
+        prefills, decodes = self._counts
+        prefill_args, decode_args, router_args = self._args
         prefill_ports = [free_port() for _ in range(prefills)]
         self.bootstrap_ports = [free_port() for _ in range(prefills)]
         decode_ports = [free_port() for _ in range(decodes)]
@@ -353,7 +389,7 @@ class PDCluster(_Group):
         self.prefill_urls = [f"http://{prefill_config.host}:{port}" for port in prefill_ports]
         self.decode_urls = [f"http://{decode_config.host}:{port}" for port in decode_ports]
         self.url = f"http://{decode_config.host}:{self.router_port}"
-        common = ["--disaggregation-transfer-backend", transfer_backend]
+        common = ["--disaggregation-transfer-backend", self._transfer_backend]
         prefill_env, decode_env = (
             server_env(cpu=side.cpu, threads=side.threads_per_server, extra=side.env)
             for side in (prefill_config, decode_config)
@@ -436,24 +472,23 @@ class PDCluster(_Group):
             return False
         return True
 
+    def _start_once(self, timeout_s: float) -> None:
+        servers = [
+            self.launch(ManagedProcess(name, argv, self.log_dir / f"{name}.log", env))
+            for name, argv, env in self._servers
+        ]
+        urls = [*self.prefill_urls, *self.decode_urls]
+        _wait_until(
+            lambda: all(_healthy(url) for url in urls), servers, timeout_s, "prefill and decode servers"
+        )
+        router = self.launch(
+            ManagedProcess("router", self._router_argv, self.log_dir / "router.log", dict(os.environ))
+        )
+        # The router's Python start-up alone takes minutes on a loaded 2-core host.
+        _wait_until(self._router_serves, [*servers, router], 600.0, "router")
+
     def start(self, timeout_s: float = 900.0) -> PDCluster:
-        try:
-            servers = [
-                self.launch(ManagedProcess(name, argv, self.log_dir / f"{name}.log", env))
-                for name, argv, env in self._servers
-            ]
-            urls = [*self.prefill_urls, *self.decode_urls]
-            _wait_until(
-                lambda: all(_healthy(url) for url in urls), servers, timeout_s, "prefill and decode servers"
-            )
-            router = self.launch(
-                ManagedProcess("router", self._router_argv, self.log_dir / "router.log", dict(os.environ))
-            )
-            # The router's Python start-up alone takes minutes on a loaded 2-core host.
-            _wait_until(self._router_serves, [*servers, router], 600.0, "router")
-        except BaseException:
-            self.stop()
-            raise
+        self._start(timeout_s)
         return self
 
     def __enter__(self) -> PDCluster:
