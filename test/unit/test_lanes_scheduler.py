@@ -389,6 +389,82 @@ def test_deadline_fails_a_stuck_request_and_not_the_others(fake):
     assert not lanes.close(timeout=0.2)  # the frozen write never leaves the engine
 
 
+class BlockingBackend(FakeBackend):
+    """`submit_write` to the peers in `blocked` does not return until `unblock`: what
+    Mooncake's TCP transport does when a frozen peer's listen backlog is full (it connects
+    on the submitting thread)."""
+
+    def __init__(self, blocked: set[str]) -> None:
+        super().__init__()
+        self.blocked = blocked
+        self.released = threading.Event()
+        self.entered: list[str] = []
+
+    def submit_write(self, peer: str, transfers: Sequence[Transfer]) -> FakeBatch:
+        if peer in self.blocked:
+            with self.cond:
+                self.entered.append(peer)
+                self.cond.notify_all()
+            self.released.wait()
+            return FakeBatch(peer, list(transfers), BatchState.FAILED)
+        return super().submit_write(peer, transfers)
+
+    def wait_entered(self) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.entered, 5)
+
+    def unblock(self) -> None:
+        self.released.set()
+
+
+def test_a_submit_that_blocks_stalls_neither_other_peers_nor_deadlines():
+    backend = BlockingBackend({"frozen:1"})
+    lanes, _ = make(backend, low_inflight=1)
+    grant(lanes, "stuck", 0, 1024 * KIB, peer="frozen:1", deadline_s=0.2)
+    grant(lanes, "fine", 0, 1024 * KIB, deadline_s=60)
+    lanes.submit("stuck", Lane.LOW, [(SRC, DST, 256 * KIB)], last=True)
+    backend.wait_entered()
+    backend.drain()
+    lanes.submit("fine", Lane.LOW, [(SRC, DST, 256 * KIB)], last=True)
+    assert lanes.wait("fine", Lane.LOW, 5).state is StreamState.DONE
+    status = lanes.wait("stuck", Lane.LOW, 5)
+    assert status.state is StreamState.FAILED
+    assert status.error is not None and status.error.endswith("1 write(s) in the engine)")
+    with pytest.raises(LaneError, match="1 writes still in the engine"):
+        lanes.release("stuck")  # the engine may yet read its source bytes
+    backend.unblock()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            lanes.release("stuck")
+            break
+        except LaneError:
+            assert time.monotonic() < deadline, "the blocked write never resolved"
+            time.sleep(0.01)
+    # Only the chunk that was inside the blocked call reached the engine: the rest of the
+    # failed request's bytes stayed in its queue and were dropped with it.
+    assert backend.entered == ["frozen:1"]
+    assert all(batch.peer == PEER for batch in backend.batches)
+    assert lanes.close()
+
+
+def test_chunks_of_a_request_that_failed_behind_a_blocked_submit_are_never_sent():
+    backend = BlockingBackend({"frozen:1"})
+    lanes, _ = make(backend, low_inflight=2)
+    grant(lanes, "stuck", 0, 1024 * KIB, peer="frozen:1", deadline_s=0.2)
+    lanes.submit("stuck", Lane.LOW, [(SRC, DST, 256 * KIB)], last=True)
+    backend.wait_entered()  # the first chunk blocks; the second waits behind it
+    assert lanes.wait("stuck", Lane.LOW, 5).state is StreamState.FAILED
+    backend.unblock()
+    deadline = time.monotonic() + 5
+    while lanes.stats().low.chunks_failed == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    lanes.release("stuck")
+    assert backend.entered == ["frozen:1"]  # the second chunk never went to the engine
+    assert lanes.close()
+
+
 def test_deadline_also_covers_streams_never_started(fake):
     lanes, _ = make(fake)
     grant(lanes, "idle", 0, 64 * KIB, deadline_s=0.05)

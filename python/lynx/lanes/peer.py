@@ -23,7 +23,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO
 
 from lynx.lanes.mooncake import MooncakeBackend
@@ -57,6 +59,18 @@ def serve(host: str, size: int, commands: IO[str], replies: IO[str]) -> None:
             break
         else:
             reply({"error": f"unknown op {command['op']!r}"})
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of each thread of `pid` (``T``: stopped by a signal)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            # "tid (comm) S ...": the command may hold spaces and parentheses
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # the thread ended
+    return states
 
 
 class PeerProcess:
@@ -100,8 +114,17 @@ class PeerProcess:
         self._send({"op": "digest", "spans": [list(s) for s in spans]})
         return self._read()["digests"]
 
-    def freeze(self) -> None:
+    def freeze(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP the peer and return once every thread of it has stopped. The signal lands
+        asynchronously: a peer still running a few milliseconds later answers a probe sent
+        right after (so a peer "frozen before its first write" would pass its probe, and
+        the first write would then block in the engine's handshake)."""
         os.kill(self._proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not all(state == "T" for state in _thread_states(self._proc.pid)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peer {self.session} not stopped {timeout_s:g} s after SIGSTOP")
+            time.sleep(0.001)
 
     def kill(self) -> None:
         self._proc.kill()

@@ -8,12 +8,19 @@ in flight. HIGH work goes to the engine as soon as it is submitted. So a HIGH tr
 competes with at most `low_inflight` LOW chunks.
 
 Threads: callers (`submit`, `abort`, ...) validate and queue under one lock; a single
-driver thread submits to the engine, polls it, enforces deadlines and runs the
-`on_settled` callback. The driver never spins: with transfers in flight it sleeps on a
-condition variable between polls (exponential backoff from `poll_min_s` to `poll_max_s`,
-at most `poll_high_s` while HIGH writes are in flight, reset by any progress, cut short by
-any `submit`); with none in flight it sleeps until the next deadline or the next `submit`.
-It never calls the engine's sync APIs or batch wait, which spin a core.
+driver thread plans what goes to the engine, polls it, enforces deadlines and runs the
+`on_settled` callback. The engine's submit call itself runs on one submitter thread per
+peer: it can block for as long as that peer does not read (Mooncake's TCP transport
+connects synchronously on the submitting thread, and a frozen peer's full listen backlog
+holds that connect for minutes), and a peer that blocks must stall neither the other
+peers nor the deadlines. A chunk handed to a submitter counts as in the engine from that
+moment, so a deadline that passes while its submit blocks fails the request and `release`
+still refuses until the engine has let go of it. The driver never spins: with transfers in
+flight it sleeps on a condition variable between polls (exponential backoff from
+`poll_min_s` to `poll_max_s`, at most `poll_high_s` while HIGH writes are in flight, reset
+by any progress, cut short by any `submit`); with none in flight it sleeps until the next
+deadline or the next `submit`. It never calls the engine's sync APIs or batch wait, which
+spin a core.
 
 The driver survives its own failures: an exception in one pass fails every open request
 (what the pass left half done cannot be trusted; writes already in the engine are still
@@ -46,6 +53,8 @@ from lynx.lanes.stats import LaneRecorder, SchedulerStats
 
 log = logging.getLogger(__name__)
 _SUBMIT_RAISED = object()  # the handle of a chunk whose submit_write raised
+_NOT_SUBMITTED = object()  # the handle of a chunk whose stream settled before its submit
+_SUBMITTER_LINGER_S = 1.0  # an idle peer's submitter thread waits this long for more work
 MAX_DEADLINE_S = 3600.0
 """Longest per-request deadline: a transfer still open after an hour has a dead peer, and
 a finite bound keeps every wait the driver computes representable."""
@@ -187,11 +196,11 @@ class _Chunk:
     stream: _Stream
     transfers: list[Transfer]
     nbytes: int
-    handle: object = None
+    handle: object = None  # set by the peer's submitter once the engine took the chunk
 
 
 class _Peer:
-    def __init__(self, session: str) -> None:
+    def __init__(self, session: str, lock: threading.Lock) -> None:
         self.session = session
         self.queues: dict[Lane, deque[_Item]] = {lane: deque() for lane in Lane}
         self.in_engine: dict[Lane, int] = dict.fromkeys(Lane, 0)
@@ -202,6 +211,10 @@ class _Peer:
         self.probing = False
         self.opened = False
         self.drain = DrainRate()
+        # Chunks planned for this peer, waiting for its submitter thread (None: not running).
+        self.outbox: deque[_Chunk] = deque()
+        self.submitter: threading.Thread | None = None
+        self.outbox_filled = threading.Condition(lock)  # the scheduler's lock
 
 
 class LaneScheduler:
@@ -284,7 +297,9 @@ class LaneScheduler:
             self._check_open()
             if request_id in self._requests:
                 raise LaneError(f"request {request_id!r} is already registered")
-            peer_state = self._peers.setdefault(peer, _Peer(peer))
+            peer_state = self._peers.get(peer)
+            if peer_state is None:
+                peer_state = self._peers[peer] = _Peer(peer, self._lock)
             request = _Request(request_id, peer_state, grants, timeout)
             request.streams = {Lane(lane): _Stream(request, Lane(lane)) for lane in lanes}
             if not request.streams:
@@ -542,13 +557,14 @@ class LaneScheduler:
                 return
 
     def _drive_once(self, in_engine: list[_Chunk], backoff: float) -> tuple[bool, float]:
-        """One pass: expire, plan, submit, poll, apply; returns (stop, next backoff).
+        """One pass: expire, plan, hand over to the submitters, poll, apply; returns (stop, next backoff).
         ``in_engine`` (the chunks the engine holds) is updated in place, so a pass that
         raises loses none of them."""
         with self._lock:
             now = time.monotonic()
             self._expire(now)
             plan, to_probe = self._plan(now)
+            self._hand_over(plan)
             events, self._events = self._events, []
             stop = self._abandon or (self._closing and not in_engine)
             if not (plan or to_probe or events or stop):
@@ -564,8 +580,6 @@ class LaneScheduler:
             return True, backoff
         for peer in to_probe:
             threading.Thread(target=self._probe, args=(peer,), daemon=True).start()
-        for chunk in plan:
-            chunk.handle = self._submit(chunk)
         in_engine.extend(plan)
         resolved = []
         pending = []
@@ -593,6 +607,38 @@ class LaneScheduler:
             chunk.stream.request.peer.in_engine[chunk.stream.lane] += 1
             chunk.stream.request.chunks_in_engine += 1
 
+    def _hand_over(self, plan: list[_Chunk]) -> None:
+        """Queue planned chunks on their peers' submitters, starting those not running."""
+        for chunk in plan:
+            peer = chunk.stream.request.peer
+            peer.outbox.append(chunk)
+            if peer.submitter is None:
+                peer.submitter = threading.Thread(
+                    target=self._submit_for, args=(peer,), name="lynx-lanes-submit", daemon=True
+                )
+                peer.submitter.start()
+            else:
+                peer.outbox_filled.notify()
+
+    def _submit_for(self, peer: _Peer) -> None:
+        """Submitter thread of one peer: hands its chunks to the engine in plan order, then
+        lingers a while for more before it ends."""
+        while True:
+            with self._lock:
+                if not peer.outbox:
+                    peer.outbox_filled.wait(_SUBMITTER_LINGER_S)
+                if not peer.outbox:
+                    peer.submitter = None
+                    return
+                chunk = peer.outbox.popleft()
+                settled = chunk.stream.state is not StreamState.OPEN
+            # A chunk of a failed or aborted request is not sent at all: behind a blocked
+            # submit, its request may have failed by its deadline.
+            handle = _NOT_SUBMITTED if settled else self._submit(chunk)
+            with self._lock:
+                chunk.handle = handle
+                self._wake.notify()
+
     def _submit(self, chunk: _Chunk) -> object:
         try:
             return self._backend.submit_write(chunk.stream.request.peer.session, chunk.transfers)
@@ -601,8 +647,12 @@ class LaneScheduler:
             return _SUBMIT_RAISED
 
     def _poll(self, chunk: _Chunk) -> BatchState:
+        if chunk.handle is None:  # its submit has not returned yet
+            return BatchState.PENDING
         if chunk.handle is _SUBMIT_RAISED:
             return BatchState.FAILED
+        if chunk.handle is _NOT_SUBMITTED:
+            return BatchState.DONE  # resolved: nothing of it reached the engine
         try:
             return self._backend.poll(chunk.handle)
         except Exception:
@@ -734,6 +784,8 @@ class LaneScheduler:
             request = stream.request
             request.peer.in_engine[stream.lane] -= 1
             request.chunks_in_engine -= 1
+            if chunk.handle is _NOT_SUBMITTED:
+                continue  # never reached the engine: no bytes, no sign of the peer's health
             recorder = self._recorders[stream.lane]
             landed.setdefault(request.peer, 0)
             if state is BatchState.DONE:
