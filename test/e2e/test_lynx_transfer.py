@@ -24,6 +24,7 @@ import contextlib
 import json
 import random
 import signal
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -266,8 +267,12 @@ def test_clients_that_hang_up_leave_nothing_behind(servers: dict, idle_kv: dict)
 
     with ThreadPoolExecutor(len(patience)) as pool:
         outcomes = list(pool.map(hang_up, range(len(patience))))
+    last_hang_up = time.monotonic()
     assert outcomes.count("answered") < len(outcomes) // 2, outcomes
+    # Upstream notices a client gone only between its waits for the answer
+    # (SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s by default): it aborts the request from there.
     wait_for(lambda: idle(prefill) and idle(decode, idle_kv["D1"]), "idle after the hang-ups", timeout_s=90)
+    print(f"idle {time.monotonic() - last_hang_up:.1f} s after the last client hung up")
     assert pd_generate(prefill, decode, PROMPTS[3])["output_ids"] == expected
 
 
