@@ -69,21 +69,22 @@ def batch_variant(model: Path, env: dict[str, str]) -> ServerConfig:
 
 class Prefill(SingleServer):
     def __init__(self, config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> None:
+        self._lynx_args = list(args)
+        super().__init__(config, log_dir, name=name)
+
+    def _assign_ports(self) -> None:
+        # The bootstrap port too: a retry after a port was taken must not reuse it.
         self.bootstrap_port = free_port()
-        super().__init__(
-            config,
-            log_dir,
-            name=name,
-            args=[
-                *args,
-                "--disaggregation-mode",
-                "prefill",
-                "--disaggregation-transfer-backend",
-                "mooncake_tcp",
-                "--disaggregation-bootstrap-port",
-                str(self.bootstrap_port),
-            ],
-        )
+        self._args = [
+            *self._lynx_args,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-transfer-backend",
+            "mooncake_tcp",
+            "--disaggregation-bootstrap-port",
+            str(self.bootstrap_port),
+        ]
+        super()._assign_ports()
 
 
 def decode_server(config: ServerConfig, log_dir: Path, name: str, args: list[str]) -> SingleServer:

@@ -51,7 +51,7 @@ PORT_ATTEMPTS = 3
 
 def _port_was_taken(log: Path) -> bool:
     try:
-        return "address already in use" in log.read_text(errors="replace")
+        return "address already in use" in log.read_text(errors="replace").lower()
     except OSError:
         return False
 
