@@ -23,6 +23,9 @@ def log_dir(request: pytest.FixtureRequest) -> Path:
     return LOG_ROOT / request.module.__name__.rsplit(".", 1)[-1]
 
 
+START_S_PER_SERVER = 120.0
+
+
 def _stop_together(servers: list[Any]) -> None:
     # Together: each takes seconds to shut down gracefully.
     with ThreadPoolExecutor(max(1, len(servers))) as pool:
@@ -53,7 +56,9 @@ class SharedServers:
         them all by name; stop ``own``, and the shared servers no later module names."""
         names = _shared_names(request.module)
         new = {name: self._factories[name]() for name in names.values() if name not in self._started}
-        start_together([*own.values(), *new.values()])
+        starting = [*own.values(), *new.values()]
+        # Servers started together share the two cores: ten took 555-603 s (CI, this host).
+        start_together(starting, max(600.0, START_S_PER_SERVER * len(starting)))
         self._started.update(new)
         try:
             yield {**own, **{local: self._started[name] for local, name in names.items()}}
