@@ -565,6 +565,7 @@ class LaneScheduler:
             self._expire(now)
             plan, to_probe = self._plan(now)
             self._hand_over(plan)
+            in_engine.extend(plan)  # counted from the hand-over on, whatever this pass does next
             events, self._events = self._events, []
             stop = self._abandon or (self._closing and not in_engine)
             if not (plan or to_probe or events or stop):
@@ -580,7 +581,6 @@ class LaneScheduler:
             return True, backoff
         for peer in to_probe:
             threading.Thread(target=self._probe, args=(peer,), daemon=True).start()
-        in_engine.extend(plan)
         resolved = []
         pending = []
         for chunk in in_engine:
