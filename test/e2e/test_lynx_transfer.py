@@ -301,8 +301,10 @@ def test_aborted_request_frees_everything(servers: dict, idle_kv: dict) -> None:
     # Abort while its Residual is held on prefill.
     wait_for(lambda: state(servers["D1"])["lynx_transfer"]["rooms"] == 1, "receiving")
     http_json(servers["D1"].url + "/abort_request", {"rid": "lynx-abort"})
+    aborted = time.monotonic()
     assert "Aborted" in _failure_of(pending)
     wait_for(lambda: idle(servers["P"]) and idle(servers["D1"], idle_kv["D1"]), "idle")
+    print(f"idle {time.monotonic() - aborted:.1f} s after the abort (polled every 0.5 s)")
     assert len(pd_generate(servers["P"], servers["D1"], "Hello")["output_ids"]) == 16
 
 
