@@ -10,10 +10,10 @@ competes with at most `low_inflight` LOW chunks.
 Threads: callers (`submit`, `abort`, ...) validate and queue under one lock; a single
 driver thread plans what goes to the engine, polls it, enforces deadlines and runs the
 `on_settled` callback. The engine's submit call itself runs on one submitter thread per
-peer: it can block for as long as that peer does not read (Mooncake's TCP transport
-connects synchronously on the submitting thread, and a frozen peer's full listen backlog
-holds that connect for minutes), and a peer that blocks must stall neither the other
-peers nor the deadlines. A chunk handed to a submitter counts as in the engine from that
+peer: it can block (the engine's first write to a peer opens it with a handshake on the
+submitting thread; to a peer that froze after answering its probe that handshake blocked
+until the peer died, measured), and a peer that blocks must stall neither the driver nor
+the deadlines. A chunk handed to a submitter counts as in the engine from that
 moment, so a deadline that passes while its submit blocks fails the request and `release`
 still refuses until the engine has let go of it. The driver never spins: with transfers in
 flight it sleeps on a condition variable between polls (exponential backoff from
@@ -211,7 +211,7 @@ class _Peer:
         self.probing = False
         self.opened = False
         self.drain = DrainRate()
-        # Chunks planned for this peer, waiting for its submitter thread (None: not running).
+        # Chunks planned for this peer, waiting for its submitter thread (None while none runs).
         self.outbox: deque[_Chunk] = deque()
         self.submitter: threading.Thread | None = None
         self.outbox_filled = threading.Condition(lock)  # the scheduler's lock
