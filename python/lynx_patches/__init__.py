@@ -7,6 +7,8 @@ its top; together they are every upstream symbol Lynx touches:
 
 * :mod:`lynx_patches.server_args` -- ``--lynx*`` flags, validation, CPU-engine defaults.
 * :mod:`lynx_patches.internal_state` -- Lynx settings in ``/server_info``.
+* :mod:`lynx_patches.tokenizer_manager` -- each parallel sample (``n`` > 1) its own
+  bootstrap room.
 * :mod:`lynx_patches.sgl_kernel` -- pure-torch stand-ins for the two CPU ops of
   ``sgl_kernel`` (CPU engine only).
 * :mod:`lynx_patches.disaggregation_utils` -- Lynx's Mooncake manager, sender and
@@ -48,6 +50,7 @@ from lynx_patches import (
     scheduler,
     server_args,
     sgl_kernel,
+    tokenizer_manager,
     torch_native_backend,
 )
 from lynx_patches._hooks import is_cpu_engine
@@ -60,6 +63,7 @@ def register() -> None:
         sgl_kernel.install()
     server_args.register()
     internal_state.register()
+    tokenizer_manager.register()
     disaggregation_utils.register()
     disaggregation_prefill.register()
     disaggregation_decode.register()

@@ -60,6 +60,9 @@ _REQ = f"{SCHEDULE_BATCH}.Req"
 _BATCH = f"{SCHEDULE_BATCH}.ScheduleBatch"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _ACCUMULATOR = "sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator"
+_TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_GENERATE_INPUT = "sglang.srt.managers.io_struct.GenerateReqInput"
+_TOKENIZED_INPUT = "sglang.srt.managers.io_struct.TokenizedGenerateReqInput"
 # A request's per-output-token logprob lists (``Req.logprob``), one entry per output token.
 _OUTPUT_LOGPROB_FIELDS = (
     "output_token_logprobs_val",
@@ -301,6 +304,12 @@ CONTRACT: tuple[Relied, ...] = (
         "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
         "scheduler",
     ),
+    # The tokenizer's parallel samples: each gets its own room (lynx_patches.tokenizer_manager).
+    _m(_TOKENIZER_MANAGER, "_handle_batch_request", "obj", "request", "request_states"),
+    _m(_TOKENIZER_MANAGER, "_send_one_request", "tokenized_obj"),
+    *(_a(_GENERATE_INPUT, name) for name in ("parallel_sample_num", "bootstrap_room", "batch_size")),
+    *(_a(_TOKENIZED_INPUT, name) for name in ("bootstrap_room", "bootstrap_host")),
+    Relied("sglang.srt.disaggregation.utils", "FAKE_BOOTSTRAP_HOST", "member"),
     # The CPU attention backend's per-row decode attention, wrapped for verify passes.
     _m(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
@@ -719,6 +728,40 @@ def resend_request_info(accumulator: Any, req: Any, key: str) -> None:
         return  # not output in this batch (a beam upstream held back)
     column = accumulator.customized_info.setdefault(key, [[] for _ in accumulator.output_reqs])
     column[-1] = list(value)
+
+
+# ---- Tokenizer: parallel samples -------------------------------------------------------------
+
+
+def parallel_sample_rooms(obj: Any) -> list[int] | None:
+    """The bootstrap rooms of the prompts of a (normalized) generate request that upstream's
+    tokenizer will send as ``n`` > 1 parallel samples, or None: one sample per prompt, no
+    room (not a PD request), or not a generate request."""
+    if getattr(obj, "parallel_sample_num", 1) <= 1:
+        return None
+    rooms = getattr(obj, "bootstrap_room", None)
+    # Normalized: one room per expanded sample, the prompts' first (``obj[i]`` reads room i).
+    prompts = rooms[: obj.batch_size] if isinstance(rooms, list) else [rooms]
+    if any(room is None for room in prompts):
+        return None
+    return [int(room) for room in prompts]
+
+
+def tokenized_room(tokenized_obj: Any) -> int | None:
+    """The bootstrap room a tokenized request is about to be sent to the scheduler with."""
+    return getattr(tokenized_obj, "bootstrap_room", None)
+
+
+def send_with_room(tokenized_obj: Any, room: int) -> None:
+    tokenized_obj.bootstrap_room = room
+
+
+def send_without_transfer(tokenized_obj: Any) -> None:
+    """Run the request on upstream's fake transfer (as its server warm-up does): prefill
+    sends nothing, decode waits for nothing and decodes on whatever its pages hold."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    tokenized_obj.bootstrap_host = FAKE_BOOTSTRAP_HOST
 
 
 def is_aborting(req: Any) -> bool:
