@@ -367,16 +367,52 @@ def test_openai_client_hanging_up_while_tokens_are_held_frees_decode(
     print(f"decode idle {time.monotonic() - started:.2f} s after the last hang-up")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="n > 1 through PD is not built (issue 27 item 2): plain upstream PD gives every "
-    "sample the request's one bootstrap room and hangs; Lynx refuses the second sample's room",
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        pytest.param(
+            "plain",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="upstream PD gives every parallel sample the request's one bootstrap room "
+                "and never answers (issue 27); the plugin leaves plain PD as upstream made it",
+            ),
+        ),
+        "pd",
+    ],
 )
-@pytest.mark.parametrize("cluster", CLUSTERS)
 def test_openai_n_samples_with_a_seed(servers: dict, cluster: str) -> None:
     client = client_of(servers, cluster).with_options(timeout=20)
     answer = complete(client, n=3, seed=1, temperature=0.8)
     assert len(answer.choices) == 3 and len({c.text for c in answer.choices}) > 1
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+
+
+def test_greedy_samples_through_lynx_each_equal_plain_pds_answer(
+    servers: dict, idle_decodes: list[int]
+) -> None:
+    """n = 4 greedy through the router: four choices, each plain PD's one answer token for
+    token; each sample held tokens on its own Anchor and verified them (the Residual lands
+    late), and the prompt's KV crossed the link once per sample."""
+    single = complete(client_of(servers, "plain"))
+    answer = complete(client_of(servers, "pd"), n=4)
+    assert [c.text for c in answer.choices] == [single.choices[0].text] * 4
+    assert answer.usage.completion_tokens == 4 * single.usage.completion_tokens
+    one = generate(servers["pd"].url, PROMPTS[3])
+    body = {
+        "text": PROMPTS[3],
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "n": 4},
+    }
+    samples = http_json(servers["pd"].url + "/generate", body)
+    assert [s["output_ids"] for s in samples] == [one["output_ids"]] * 4
+    reports = [s["meta_info"]["lynx_transfer"][-1] for s in samples]
+    assert all(r["speculation"]["held"] > 0 for r in reports), reports
+    sent = [r["anchor_bytes"] + r["residual_bytes"] for r in reports]
+    alone = one["meta_info"]["lynx_transfer"][-1]
+    once = alone["anchor_bytes"] + alone["residual_bytes"]
+    print(f"n = 4: {sum(sent)} bytes over the link ({sent} per sample); n = 1: {once}")
+    assert sent == [once] * 4
+    wait_decodes_idle(servers["pd"], idle_decodes)
 
 
 def test_a_killed_prefill_fails_only_its_own_requests(servers: dict, idle_decodes: list[int]) -> None:
