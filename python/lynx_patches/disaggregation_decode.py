@@ -40,7 +40,12 @@ def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwarg
     speculating = getattr(receiver, "lynx_speculating", False)
     decoder = runtime.speculative_decoder()
     if speculating and decoder is not None and not req.finished():
-        decoder.admit(req, receiver.bootstrap_room, receiver.lynx_slots, upstream.vocab_size(queue.scheduler))
+        decoder.admit(
+            req,
+            receiver.bootstrap_room,
+            receiver.lynx_slots,
+            upstream.vocab_size(upstream.queue_scheduler(queue)),
+        )
         return result
     if speculating:  # finished on its first token: nothing to speculate on
         receiver.lynx_end_speculation()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lynx_patches import runtime
+from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook, is_cpu_engine
 
 INIT_KV_MANAGER = "disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
@@ -25,7 +25,7 @@ EARLY_PREFIX_SEND = (
 
 
 def _skip_early_send_under_overlap(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    if scheduler.enable_overlap:
+    if upstream.overlaps(scheduler):
         return None
     return original(scheduler, *args, **kwargs)
 

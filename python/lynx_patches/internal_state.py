@@ -35,7 +35,7 @@ def _add_lynx(result: Any, controller: Any, *_args: Any, **_kwargs: Any) -> Any:
         lynx = runtime.current()
         state["lynx_codec_backend"] = lynx.codec_backend if lynx is not None else None
         state["lynx_transfer"] = lynx.stats() if lynx is not None else None
-        state["lynx_kv_available_tokens"] = upstream.free_kv_tokens(controller.scheduler)
+        state["lynx_kv_available_tokens"] = upstream.free_kv_tokens(upstream.controller_scheduler(controller))
     return result
 
 

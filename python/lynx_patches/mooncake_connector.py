@@ -55,7 +55,8 @@ from lynx import settings
 from lynx.transfer import DuplicateRoomError, ReceiveCapacityError, RoomReport, Verdict, page_slots
 from lynx.transfer.protocol import split_offer
 from lynx_patches import upstream
-from lynx_patches.runtime import LynxConfigError, LynxRuntime
+from lynx_patches.errors import LynxConfigError
+from lynx_patches.runtime import LynxRuntime
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from lynx.settings import LynxSettings, LynxSettingsError
 from lynx.transfer import Handshake, ProgressiveReceiver, ProgressiveSender
 from lynx.transfer.protocol import bytes_per_token
 from lynx_patches import upstream
+from lynx_patches.errors import LynxConfigError
 from lynx_patches.speculative_decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,6 @@ CODEC_NAMES = {
     "cpp": "C++ (compiled)",
     "reference": "torch reference (slow)",
 }
-
-
-class LynxConfigError(RuntimeError):
-    """This server's KV pool or parallelism cannot run Lynx (raised at start-up)."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from lynx.transfer import Upstream
 from lynx.verify import CommittedLogprobs, LogprobRequest, SamplingSettings
+from lynx_patches.errors import LynxConfigError
 
 CONN = "sglang.srt.disaggregation.mooncake.conn"
 COMMON_CONN = "sglang.srt.disaggregation.common.conn"
@@ -537,6 +538,11 @@ def queue_scheduler(queue: Any) -> Any:
     return queue.scheduler
 
 
+def controller_scheduler(controller: Any) -> Any:
+    """The scheduler whose ``/server_info`` internal state ``controller`` answers with."""
+    return controller.scheduler
+
+
 def random_seed(scheduler: Any) -> int:
     """The scheduler's random seed: its model worker broadcasts one seed to every TP rank,
     which upstream's sampler relies on."""
@@ -598,8 +604,6 @@ def queue_kv_pool(queue: Any) -> Any:
 def kv_pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-layer K and V buffers of an MHA KV pool; raises (naming the pool) for any
     other kind, and for a quantized KV cache."""
-    from lynx_patches.runtime import LynxConfigError
-
     k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
     if not isinstance(k, list) or not isinstance(v, list):
         raise LynxConfigError(f"--lynx needs an MHA KV pool with per-layer K/V buffers, got {type(pool)}")
