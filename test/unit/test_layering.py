@@ -35,3 +35,56 @@ def test_the_check_sees_a_lazy_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from sglang.srt import utils\n    import lynx_patches.upstream\n")
     assert _imported_roots(module) == {"sglang", "lynx_patches"}
+
+
+GLUE = CORE.parent / "lynx_patches"
+
+
+def _glue_imports(path: Path) -> set[str]:
+    """The ``lynx_patches`` modules ``path`` imports, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "lynx_patches":
+                names.update(f"lynx_patches.{alias.name}" for alias in node.names)
+            elif node.module.startswith("lynx_patches."):
+                names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.startswith("lynx_patches."))
+    return names
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (module -> modules it imports), or None."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return None
+        for imported in sorted(graph.get(module, ())):
+            found = visit(imported, [*path, module])
+            if found:
+                return found
+        done.add(module)
+        return None
+
+    return next((c for c in (visit(m, []) for m in sorted(graph)) if c), None)
+
+
+def test_the_glue_modules_import_one_another_without_a_cycle() -> None:
+    # The package's __init__ imports every hook module to register them: it is the root,
+    # not a module the others may import.
+    graph = {
+        f"lynx_patches.{path.stem}": _glue_imports(path) - {"lynx_patches"}
+        for path in sorted(GLUE.glob("*.py"))
+        if path.stem != "__init__"
+    }
+    assert len(graph) > 15
+    assert _cycle(graph) is None, f"import cycle among the glue modules: {' -> '.join(_cycle(graph) or [])}"
+
+
+def test_the_cycle_check_finds_a_loop() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
