@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +40,13 @@ from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
 from lynx.tools import netlink
-from lynx.tools.cluster import ServerConfig, SingleServer, free_port, http_json, stream_json
+from lynx.tools.cluster import (
+    ServerConfig,
+    SingleServer,
+    free_port,
+    pd_body,
+    pd_generate,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [*BASE_TEXTS, f"{DOCS}/tutorial/classes.rst.txt", f"{PLAYS}/othello_gut.txt"]
@@ -110,44 +114,32 @@ class Pair:
         for server in self.servers.values():
             server.stop()
 
-    def _body(self, prompt: str, max_new_tokens: int) -> dict[str, Any]:
-        host = self.servers["prefill"].url.split("//")[1].rsplit(":", 1)[0]
-        return {
-            "text": prompt,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-            "bootstrap_host": host,
-            "bootstrap_port": self.bootstrap_port,
-            "bootstrap_room": random.getrandbits(62),
-        }
+    def _generate(self, prompt: str, max_new_tokens: int, on_chunk: Any = None) -> dict:
+        prefill = self.servers["prefill"].url
+        host = prefill.split("//")[1].rsplit(":", 1)[0]
+        body = pd_body(prompt, self.bootstrap_port, max_new_tokens, bootstrap_host=host)
+        return pd_generate(prefill, self.servers["decode"].url, body, 1800, on_chunk=on_chunk)
 
     def stream(self, prompt: str, marks: list[int]) -> tuple[dict, dict[int, float]]:
         """(last chunk, {n: seconds until the n-th token streamed} for n = 1 and ``marks``) of
         a streamed request of ``max(marks)`` tokens."""
-        max_new_tokens = max(marks)
-        body = self._body(prompt, max_new_tokens)
         times: dict[int, float] = {}
-        chunk: dict = {}
         start = time.perf_counter()
-        with ThreadPoolExecutor(1) as pool:
-            prefill = pool.submit(http_json, self.servers["prefill"].url + "/generate", body, 1800)
-            for chunk in stream_json(self.servers["decode"].url + "/generate", body, 1800):
-                now = time.perf_counter() - start
-                for n in (1, *marks):
-                    if n not in times and len(chunk["output_ids"]) >= n:
-                        times[n] = now
-            prefill.result()
+
+        def mark(chunk: dict) -> None:
+            now = time.perf_counter() - start
+            for n in (1, *marks):
+                if n not in times and len(chunk["output_ids"]) >= n:
+                    times[n] = now
+
+        chunk = self._generate(prompt, max(marks), on_chunk=mark)
         assert set(times) == {1, *marks}, chunk
         return chunk, times
 
     def generate(self, prompt: str, max_new_tokens: int) -> tuple[dict, float]:
-        body = self._body(prompt, max_new_tokens)
         start = time.perf_counter()
-        with ThreadPoolExecutor(2) as pool:
-            prefill = pool.submit(http_json, self.servers["prefill"].url + "/generate", body, 1800)
-            answer = http_json(self.servers["decode"].url + "/generate", body, 1800)
-            elapsed = time.perf_counter() - start
-            prefill.result()
-        return answer, elapsed
+        answer = self._generate(prompt, max_new_tokens)
+        return answer, time.perf_counter() - start
 
 
 def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: dict[int, list[str]]) -> dict:

@@ -3,20 +3,18 @@ modules' shared helpers."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
 import signal
 import time
 import urllib.error
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lynx.tools.cluster import HOST, ServerConfig, SingleServer, free_port, http_json
+from lynx.tools import cluster
+from lynx.tools.cluster import ServerConfig, SingleServer, free_port, http_json, pd_body
 
 # Small chunks make prefill send several chunks per request, as long prompts do.
 COMMON = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
@@ -106,35 +104,11 @@ def pd_generate(
     extra: dict[str, Any] | None = None,
     timeout_s: float = 180.0,
 ) -> dict:
-    """What the router does for one request: the same body, with bootstrap fields, to both
-    servers at once; the answer is decode's. Raises HTTPError with decode's error.
-    Greedy, ``max_new_tokens`` tokens whatever EOS says, unless ``sampling`` overrides;
-    ``extra``: more top-level fields (e.g. ``return_logprob``); the client hangs up on
-    both servers after ``timeout_s`` (TimeoutError)."""
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})}
-    body: dict[str, Any] = {
-        "text": prompt,
-        "sampling_params": params,
-        "bootstrap_host": HOST,
-        "bootstrap_port": prefill.bootstrap_port,
-        "bootstrap_room": random.getrandbits(62),
-        **(extra or {}),
-    }
-    if rid is not None:
-        body["rid"] = rid
-    with ThreadPoolExecutor(2) as pool:
-        to_prefill = pool.submit(_post_ignoring_errors, prefill.url + "/generate", body, timeout_s)
-        answer = pool.submit(http_json, decode.url + "/generate", body, timeout_s)
-        try:
-            return answer.result()
-        finally:
-            to_prefill.result()
-
-
-def _post_ignoring_errors(url: str, body: dict, timeout_s: float) -> None:
-    # Prefill's own answer carries nothing the client uses.
-    with contextlib.suppress(urllib.error.URLError, OSError):
-        http_json(url, body, timeout=timeout_s)
+    """:func:`lynx.tools.cluster.pd_generate` of :func:`~lynx.tools.cluster.pd_body` between
+    these two servers (``rid``: the request's id, for an abort)."""
+    fields = {**(extra or {}), **({"rid": rid} if rid is not None else {})}
+    body = pd_body(prompt, prefill.bootstrap_port, max_new_tokens, sampling=sampling, extra=fields)
+    return cluster.pd_generate(prefill.url, decode.url, body, timeout_s)
 
 
 def error_of(call: Callable[[], object]) -> str:

@@ -22,7 +22,6 @@ and test_qwen.py).
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import urllib.error
@@ -54,7 +53,8 @@ from pdtools import (
     PROMPTS as COMMON_PROMPTS,
 )
 
-from lynx.tools.cluster import HOST, ServerConfig, http_json
+from lynx.tools import cluster
+from lynx.tools.cluster import ServerConfig, http_json, pd_body
 
 pytestmark = pytest.mark.e2e
 
@@ -196,27 +196,9 @@ def test_a_stop_among_held_tokens_finishes_only_after_verification(servers: dict
 
 def test_streaming_sends_only_committed_tokens(servers: dict) -> None:
     prompt = PROMPTS[4]
-    body = {
-        "text": prompt,
-        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-        "bootstrap_host": HOST,
-        "bootstrap_port": servers["PS"].bootstrap_port,
-        "bootstrap_room": random.getrandbits(62),
-    }
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(http_json, servers["PS"].url + "/generate", {**body, "stream": False}, 180)
-        request = urllib.request.Request(
-            servers["DS"].url + "/generate",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        chunks = []
-        with urllib.request.urlopen(request, timeout=180) as response:
-            for line in response:
-                text = line.decode().strip()
-                if text.startswith("data:") and text != "data: [DONE]":
-                    chunks.append(json.loads(text.removeprefix("data:")))
+    chunks: list[dict] = []
+    body = pd_body(prompt, servers["PS"].bootstrap_port, 24)
+    cluster.pd_generate(servers["PS"].url, servers["DS"].url, body, 180, on_chunk=chunks.append)
     plain = pd_generate(servers["P0"], servers["D0"], prompt, max_new_tokens=24)["output_ids"]
     # Each chunk carries the output so far: never a token that is later withdrawn.
     assert chunks and chunks[-1]["output_ids"] == plain

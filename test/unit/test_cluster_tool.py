@@ -18,7 +18,16 @@ from typing import ClassVar
 import pytest
 
 from lynx.tools import netlink
-from lynx.tools.cluster import PORT_ATTEMPTS, ClusterError, PDCluster, ServerConfig, free_port, stream_json
+from lynx.tools.cluster import (
+    PORT_ATTEMPTS,
+    ClusterError,
+    PDCluster,
+    ServerConfig,
+    free_port,
+    pd_body,
+    pd_generate,
+    stream_json,
+)
 
 
 def test_the_router_gets_every_prefill_with_its_bootstrap_port_and_every_decode(tmp_path: Path) -> None:
@@ -175,3 +184,63 @@ def test_closing_stream_json_early_closes_the_connection(event_server: str) -> N
     with contextlib.closing(stream_json(event_server, {"text": "hi"}, timeout=30)) as chunks:
         assert next(chunks) == {"output_ids": [0]}
     assert _EventStream.client_left.wait(timeout=30), "the server kept streaming to a client that left"
+
+
+def _json_server(status: int, answer: dict) -> tuple[http.server.ThreadingHTTPServer, list[dict]]:
+    """A server answering every POST with ``status`` and ``answer``; the bodies it got."""
+    bodies: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, bodies
+
+
+@pytest.fixture
+def failing_prefill() -> Iterator[tuple[str, list[dict]]]:
+    server, bodies = _json_server(500, {"error": "prefill's own answer"})
+    yield f"http://127.0.0.1:{server.server_address[1]}", bodies
+    server.shutdown()
+
+
+def test_pd_body_is_what_a_router_sends_both_servers() -> None:
+    body = pd_body("hi", 9000, 8, sampling={"temperature": 0.7}, extra={"rid": "r1"})
+    assert body["sampling_params"] == {"max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}
+    assert (body["bootstrap_host"], body["bootstrap_port"], body["rid"]) == ("127.0.0.1", 9000, "r1")
+    assert (
+        0 <= body["bootstrap_room"] < 2**62
+        and body["bootstrap_room"] != pd_body("hi", 9000)["bootstrap_room"]
+    )
+
+
+def test_pd_generate_answers_with_decodes_answer_whatever_prefill_says(failing_prefill: tuple) -> None:
+    prefill_url, prefill_bodies = failing_prefill
+    decode, decode_bodies = _json_server(200, {"output_ids": [1, 2]})
+    decode_url = f"http://127.0.0.1:{decode.server_address[1]}"
+    body = pd_body("hi", 9000)
+    try:
+        assert pd_generate(prefill_url, decode_url, body, 30) == {"output_ids": [1, 2]}
+    finally:
+        decode.shutdown()
+    assert prefill_bodies == decode_bodies == [body]
+
+
+def test_pd_generate_streams_decodes_answer_chunk_by_chunk(failing_prefill: tuple, event_server: str) -> None:
+    prefill_url, prefill_bodies = failing_prefill
+    body = pd_body("hi", 9000)
+    chunks: list[dict] = []
+    last = pd_generate(prefill_url, event_server.removesuffix("/generate"), body, 30, on_chunk=chunks.append)
+    assert [len(c["output_ids"]) for c in chunks] == list(range(1, 200)) and last == chunks[-1]
+    assert _EventStream.bodies == [{**body, "stream": True}] and prefill_bodies == [body]

@@ -124,6 +124,56 @@ def stream_json(url: str, payload: Mapping[str, Any], timeout: float = 600.0) ->
                 yield json.loads(text.removeprefix("data:"))
 
 
+def pd_body(
+    prompt: str,
+    bootstrap_port: int,
+    max_new_tokens: int = 16,
+    *,
+    bootstrap_host: str = HOST,
+    sampling: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``/generate`` body a PD router sends both servers of one request: greedy,
+    ``max_new_tokens`` tokens whatever EOS says (``sampling`` overrides any of it), the
+    prefill's bootstrap address and a fresh room; ``extra``: more top-level fields (``rid``,
+    ``return_logprob``, ...)."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})}
+    return {
+        "text": prompt,
+        "sampling_params": params,
+        "bootstrap_host": bootstrap_host,
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": random.getrandbits(62),
+        **(extra or {}),
+    }
+
+
+def pd_generate(
+    prefill_url: str,
+    decode_url: str,
+    body: Mapping[str, Any],
+    timeout_s: float = 600.0,
+    on_chunk: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """What a PD router does for one request, without one: ``body`` (:func:`pd_body`) to
+    both servers at once; the answer is decode's (raises its HTTPError). With ``on_chunk``
+    decode's answer is streamed, each chunk handed to it as it arrives, and the last chunk
+    returned. Prefill's own answer carries nothing a client uses: it is waited for (so the
+    request is over on both servers) and its errors are left to decode's answer."""
+    with ThreadPoolExecutor(1) as pool:
+        to_prefill = pool.submit(http_json, prefill_url + "/generate", body, timeout_s)
+        try:
+            if on_chunk is None:
+                return http_json(decode_url + "/generate", body, timeout_s)
+            chunk: dict[str, Any] = {}
+            for chunk in stream_json(decode_url + "/generate", body, timeout_s):
+                on_chunk(chunk)
+            return chunk
+        finally:
+            with contextlib.suppress(OSError):  # urllib's errors, HTTPError included
+                to_prefill.result()
+
+
 @dataclass
 class ManagedProcess:
     """One child process (in its own session) with its log file."""

@@ -32,12 +32,10 @@ only while ``--budget-s`` lasts; a server start waits at most what is left of it
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
 import os
 import platform
-import random
 import re
 import shlex
 import statistics
@@ -46,21 +44,19 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 from lynx.tools.cluster import (
-    HOST,
     ClusterError,
     ServerConfig,
     SingleServer,
     free_port,
-    http_json,
+    pd_body,
+    pd_generate,
     running,
-    stream_json,
     terminate_on_sigterm,
 )
 
@@ -745,23 +741,16 @@ def pd_stream(
 ) -> Answer:
     """One greedy request the way the router sends it: the same body, with bootstrap fields,
     to both servers; decode's answer streamed to time its first token."""
-    body = {
-        "text": prompt,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-        "bootstrap_host": HOST,
-        "bootstrap_port": bootstrap_port,
-        "bootstrap_room": random.getrandbits(62),
-    }
-    chunk: dict[str, Any] = {}
-    ttft: float | None = None
-    with ThreadPoolExecutor(1) as pool:
-        start = time.perf_counter()
-        to_prefill = pool.submit(http_json, prefill_url + "/generate", body, REQUEST_TIMEOUT_S)
-        for chunk in stream_json(decode_url + "/generate", body, REQUEST_TIMEOUT_S):
-            if ttft is None and chunk.get("output_ids"):
-                ttft = time.perf_counter() - start
-        with contextlib.suppress(OSError):  # prefill's answer carries nothing the client uses
-            to_prefill.result()
+    first_token_at: list[float] = []
+
+    def time_first_token(chunk: dict[str, Any]) -> None:
+        if not first_token_at and chunk.get("output_ids"):
+            first_token_at.append(time.perf_counter())
+
+    body = pd_body(prompt, bootstrap_port, max_new_tokens)
+    start = time.perf_counter()
+    chunk = pd_generate(prefill_url, decode_url, body, REQUEST_TIMEOUT_S, on_chunk=time_first_token)
+    ttft = first_token_at[0] - start if first_token_at else None
     return Answer(list(chunk.get("output_ids", [])), ttft, chunk.get("meta_info", {}).get("lynx_transfer"))
 
 
