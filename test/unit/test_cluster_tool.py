@@ -1,7 +1,8 @@
 """``lynx.tools.cluster.PDCluster``'s command lines for several prefill and decode servers,
 and for each side in its own network namespace (the servers themselves run in
 ``test/e2e/test_pd_cluster.py`` and ``test/e2e/test_demo.py``), its retry on ports taken
-before a server bound them, and its streamed-answer reader."""
+before a server bound them, its streamed-answer reader, and one request sent to a prefill and
+a decode server as the router sends it."""
 
 from __future__ import annotations
 
