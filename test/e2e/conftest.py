@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pdtools import CHECKS, SPEC_EXACT, Prefill, batch_variant, decode_server
 
-from lynx.tools.cluster import SingleServer, start_together
+from lynx.tools.cluster import SingleServer, start_together, stop_together
 
 LOG_ROOT = Path(os.environ.get("LYNX_TEST_LOG_DIR", Path(__file__).resolve().parents[2] / "logs" / "tests"))
 
@@ -24,12 +23,6 @@ def log_dir(request: pytest.FixtureRequest) -> Path:
 
 
 START_S_PER_SERVER = 120.0
-
-
-def _stop_together(servers: list[Any]) -> None:
-    # Together: each takes seconds to shut down gracefully.
-    with ThreadPoolExecutor(max(1, len(servers))) as pool:
-        list(pool.map(lambda server: server.stop(), servers))
 
 
 class SharedServers:
@@ -63,7 +56,7 @@ class SharedServers:
         try:
             yield {**own, **{local: self._started[name] for local, name in names.items()}}
         finally:
-            _stop_together([*own.values(), *self._pop(self._unused_after(request.module))])
+            stop_together([*own.values(), *self._pop(self._unused_after(request.module))])
 
     def _unused_after(self, module: Any) -> set[str]:
         items = self._session.items
@@ -75,7 +68,7 @@ class SharedServers:
         return [self._started.pop(name) for name in names]
 
     def stop_all(self) -> None:
-        _stop_together(self._pop(set(self._started)))
+        stop_together(self._pop(set(self._started)))
 
 
 def _shared_names(module: Any) -> dict[str, str]:
