@@ -5,7 +5,9 @@ Lynx relies on is a named function here; the rest of ``lynx_patches`` calls thes
 reads only the public request fields listed in :data:`CONTRACT`. ``CONTRACT`` names each
 upstream symbol and attribute these functions use; ``test/plugin/test_upstream_contract.py``
 checks every entry (and the metadata frame layout) against the installed SGLang, so an
-upgrade that moves one fails a test naming it instead of a request at run time.
+upgrade that moves one fails a test naming it instead of a request at run time, and
+``test/unit/test_boundary_contract.py`` reads this module's source and fails on any
+upstream attribute, method, keyword or positional argument used here and not declared.
 
 SGLang is imported inside the functions: this module is imported at plugin registration,
 before SGLang may be.
@@ -74,6 +76,16 @@ _OUTPUT_LOGPROB_FIELDS = (
     "output_token_ids_logprobs_val",
     "output_token_ids_logprobs_idx",
 )
+# Upstream counts reasoning tokens as it appends each output token, in a small state
+# machine on the request (the end-of-thinking matcher); a rollback restores it and replays
+# the committed tokens, so usage counts exactly the tokens the client receives.
+_REASONING_FIELDS = (
+    "reasoning_tokens",
+    "_is_reasoning_over",
+    "_think_end_matcher",
+    "_think_end_match_len",
+    "_think_start_match_len",
+)
 
 CONTRACT: tuple[Relied, ...] = (
     # Mooncake connector: what Lynx's subclasses read, call and override.
@@ -103,6 +115,7 @@ CONTRACT: tuple[Relied, ...] = (
     _a(f"{BASE_CONN}.KVArgs", "page_size"),
     _a(f"{BASE_CONN}.KVArgs", "engine_rank"),
     Relied("sglang.srt.disaggregation.utils", "DisaggregationMode", "class"),
+    Relied("sglang.srt.disaggregation.utils.DisaggregationMode", "PREFILL", "member"),
     _m(_MANAGER, "__init__", "args", "disaggregation_mode", "server_args", "is_mla_backend"),
     _m(_MANAGER, "_make_worker_recv", "socket", "timeout_ms"),
     _a(f"{COMMON_CONN}.CommonKVManager", "local_ip"),
@@ -181,16 +194,7 @@ CONTRACT: tuple[Relied, ...] = (
     _a(_REQ, "return_sampling_mask"),
     _a(_REQ, "return_routed_experts"),
     _a(_REQ, "return_indexer_topk"),
-    *(
-        _a(_REQ, name)
-        for name in (
-            "reasoning_tokens",
-            "_is_reasoning_over",
-            "_think_end_matcher",
-            "_think_end_match_len",
-            "_think_start_match_len",
-        )
-    ),
+    *(_a(_REQ, name) for name in _REASONING_FIELDS),
     _a(_SCHEDULER, "batch_result_processor"),
     _m(_SCHEDULER, "pause_generation", "recv_req"),
     _a("sglang.srt.managers.io_struct.PauseGenerationReqInput", "mode"),
@@ -220,8 +224,19 @@ CONTRACT: tuple[Relied, ...] = (
     _a("sglang.srt.sampling.sampling_params.SamplingParams", "repetition_penalty"),
     _a("sglang.srt.sampling.sampling_params.SamplingParams", "min_new_tokens"),
     _a("sglang.srt.sampling.sampling_params.SamplingParams", "logit_bias"),
+    _a("sglang.srt.sampling.sampling_params.SamplingParams", "watermark"),
     # Batches and the scheduler.
-    _m(_BATCH, "init_new", "reqs", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache"),
+    _m(
+        _BATCH,
+        "init_new",
+        "reqs",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+        "model_config",
+        "enable_overlap",
+        "spec_algorithm",
+    ),
     _m(_BATCH, "filter_batch", "keep_indices"),
     _m(_BATCH, "is_empty"),
     _m(_BATCH, "retract_decode"),
@@ -235,6 +250,7 @@ CONTRACT: tuple[Relied, ...] = (
             "orig_seq_lens",
             "seq_lens_sum",
             "req_pool_indices",
+            "req_pool_indices_cpu",
             "out_cache_loc",
             "input_ids",
             "multimodal_inputs",
@@ -248,6 +264,14 @@ CONTRACT: tuple[Relied, ...] = (
         "vocab_size",
     ),
     Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "DECODE", "member"),
+    _m("sglang.srt.model_executor.forward_batch_info.ForwardMode", "is_decode"),
+    _a("sglang.srt.managers.utils.GenerationBatchResult", "logits_output"),
+    _a("sglang.srt.layers.logits_processor.LogitsProcessorOutput", "next_token_logits"),
+    _a("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "device"),
+    _a("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "req_to_token"),
+    _m("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator", "available_size"),
+    _m("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache", "free_kv_row", "kv", "ranges"),
+    _a("sglang.srt.configs.model_config.ModelConfig", "vocab_size"),
     _m("sglang.srt.managers.tp_worker.TpModelWorker", "forward_batch_generation", "batch", "is_verify"),
     _m(_SCHEDULER, "is_fully_idle"),
     _m(_SCHEDULER, "process_batch_result", "batch", "result"),
@@ -293,7 +317,12 @@ CONTRACT: tuple[Relied, ...] = (
         "sglang.srt.managers.scheduler_components.new_token_ratio_tracker.NewTokenRatioTracker",
         "estimate_new_token_ratio_after_retract",
     ),
-    _m("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer", "stream_output"),
+    _m(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
+        "stream_output",
+        "reqs",
+        "return_logprob",
+    ),
     _m(
         "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
         "is_request_level_customized_info_key",
@@ -640,7 +669,7 @@ def sampling_settings(req: Any, vocab: int) -> SamplingSettings:
         logit_bias=bool(params.logit_bias),
         custom_logit_processor=getattr(req, "custom_logit_processor", None) is not None,
         hidden_states=bool(getattr(req, "return_hidden_states", False)),
-        watermark=getattr(req, "watermark", None) is not None,
+        watermark=params.watermark is not None,
         per_token_outputs=bool(
             req.return_sampling_mask or req.return_routed_experts or req.return_indexer_topk
         ),
@@ -681,18 +710,6 @@ def replace_output_logprobs(req: Any, keep: int, committed: CommittedLogprobs) -
     lists.output_top_logprobs_idx.extend(committed.top_idx)
     lists.output_token_ids_logprobs_val.extend(committed.ids_val)
     lists.output_token_ids_logprobs_idx.extend(committed.ids_idx)
-
-
-# Upstream counts reasoning tokens as it appends each output token, in a small state
-# machine on the request (the end-of-thinking matcher); a rollback restores it and replays
-# the committed tokens, so usage counts exactly the tokens the client receives.
-_REASONING_FIELDS = (
-    "reasoning_tokens",
-    "_is_reasoning_over",
-    "_think_end_matcher",
-    "_think_end_match_len",
-    "_think_start_match_len",
-)
 
 
 def reasoning_state(req: Any) -> tuple[Any, ...]:

@@ -1,0 +1,218 @@
+"""The boundary keeps its contract honest: every upstream name an accessor of
+``lynx_patches/upstream.py`` touches is declared in ``CONTRACT``, which the plugin tests
+check against the installed SGLang.
+
+Read from the boundary's source (AST), without SGLang: in each function, the values that
+come from upstream are its parameters typed ``Any`` (upstream objects cross the boundary
+untyped), the names it imports from ``sglang``, and whatever it computes from them. Every
+attribute read or written on such a value, every keyword passed to a method called on one,
+and every positional argument beyond those declared must be in ``CONTRACT`` (by name:
+the plugin test checks owner and signature); a few names of Python containers, tensors
+and events are not upstream's (``NOT_UPSTREAM``)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from lynx_patches import upstream
+from lynx_patches.upstream import Relied
+
+BOUNDARY = Path(upstream.__file__)
+# Methods and fields of the Python, torch and CUDA objects upstream hands over (lists,
+# dicts, deques, tensors, events, bytes): never upstream's own names.
+NOT_UPSTREAM = frozenset(
+    {
+        "append",
+        "extend",
+        "get",
+        "items",
+        "keys",
+        "values",
+        "pop",
+        "popleft",
+        "setdefault",
+        "tolist",
+        "item",
+        "to",
+        "cpu",
+        "float",
+        "shape",
+        "split",
+        "synchronize",
+    }
+)
+# The contract checker itself, and pure parsing of bytes: they touch no upstream object.
+NOT_ACCESSORS = frozenset({"_resolve", "_instance_attributes", "_own_attributes", "contract_violations"})
+
+
+def _root(node: ast.expr) -> ast.expr:
+    while isinstance(node, ast.Attribute | ast.Subscript | ast.Call | ast.Starred):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _mentions(node: ast.AST, names: set[str]) -> bool:
+    return any(isinstance(sub, ast.Name) and sub.id in names for sub in ast.walk(node))
+
+
+def _targets(node: ast.AST) -> Iterator[ast.expr]:
+    if isinstance(node, ast.Assign):
+        yield from node.targets
+    elif isinstance(node, ast.AnnAssign | ast.AugAssign | ast.For | ast.comprehension):
+        yield node.target
+    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+        yield node.optional_vars
+
+
+def _source_of(node: ast.AST) -> ast.AST | None:
+    if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        return node.value
+    if isinstance(node, ast.For | ast.comprehension):
+        return node.iter
+    if isinstance(node, ast.withitem):
+        return node.context_expr
+    return None
+
+
+def _upstream_values(function: ast.FunctionDef, imported: set[str]) -> set[str]:
+    """Names in ``function`` that hold upstream values (see the module docstring)."""
+    args = [*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs]
+    values = {a.arg for a in args if a.annotation is not None and "Any" in ast.unparse(a.annotation)}
+    values |= imported
+    while True:
+        found = {
+            sub.id
+            for node in ast.walk(function)
+            if (source := _source_of(node)) is not None and _mentions(source, values)
+            for target in _targets(node)
+            for sub in ast.walk(target)
+            if isinstance(sub, ast.Name)
+        }
+        if found <= values:
+            return values
+        values |= found
+
+
+def _sglang_imports(function: ast.FunctionDef) -> list[tuple[str, str]]:
+    return [
+        (node.module, alias.asname or alias.name)
+        for node in ast.walk(function)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang")
+        for alias in node.names
+    ]
+
+
+def undeclared(source: str, contract: tuple[Relied, ...]) -> list[str]:
+    """Each use of an upstream name in ``source``'s functions that ``contract`` does not
+    declare, as ``function: what``."""
+    names = {r.name for r in contract}
+    params = {r.name: r.params for r in contract if r.kind == "method"}
+    owners = {r.owner for r in contract} | {f"{r.owner}.{r.name}" for r in contract}
+    problems = []
+    for function in ast.parse(source).body:
+        if not isinstance(function, ast.FunctionDef) or function.name in NOT_ACCESSORS:
+            continue
+        where = function.name
+        imports = _sglang_imports(function)
+        for module, name in imports:
+            declared = f"{module}.{name}" in owners or any(
+                r.owner == module and r.name == name for r in contract
+            )
+            if not declared:
+                problems.append(f"{where}: imports {module}.{name}")
+        values = _upstream_values(function, {name for _, name in imports})
+        for node in ast.walk(function):
+            touched = isinstance(node, ast.Attribute) and _mentions(_root(node), values)
+            if touched and node.attr not in names and node.attr not in NOT_UPSTREAM:
+                problems.append(f"{where}: .{node.attr}")
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if (
+                isinstance(func, ast.Name)
+                and func.id in ("getattr", "setattr", "hasattr")
+                and len(node.args) > 1
+            ):
+                obj, attr = node.args[0], node.args[1]
+                literal = isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+                if literal and _mentions(obj, values) and attr.value not in names:
+                    problems.append(f"{where}: {func.id}(..., {attr.value!r})")
+            if isinstance(func, ast.Attribute) and func.attr in params and _mentions(_root(func), values):
+                declared_params = params[func.attr]
+                for keyword in node.keywords:
+                    if keyword.arg is not None and keyword.arg not in declared_params:
+                        problems.append(f"{where}: .{func.attr}({keyword.arg}=...)")
+                if len(node.args) > max(1, len(declared_params)):
+                    problems.append(
+                        f"{where}: .{func.attr}() with {len(node.args)} positional arguments, "
+                        f"{len(declared_params)} declared"
+                    )
+    return problems
+
+
+def test_every_upstream_name_the_boundary_touches_is_in_the_contract() -> None:
+    problems = undeclared(BOUNDARY.read_text(), upstream.CONTRACT)
+    assert not problems, "upstream names used but not in upstream.CONTRACT:\n" + "\n".join(problems)
+
+
+def test_the_check_finds_what_a_change_adds_without_declaring() -> None:
+    contract = (
+        Relied("sglang.x.Pool", "free", "method", ("rows",)),
+        Relied("sglang.x.Pool", "size", "attribute"),
+        Relied("sglang.x", "Pool", "class"),
+    )
+    source = """
+def fine(pool: Any, n: int) -> int:
+    pool.free(rows=[n])
+    return pool.size + len([n]).bit_length()
+
+def drifted(pool: Any, lynx_thing: Thing) -> None:
+    from sglang.x import Pool, Other
+    rows = pool.rows_cpu
+    rows.device
+    pool.free(rows=[1], force=True)
+    pool.free(1, 2)
+    getattr(pool, "hidden", None)
+    lynx_thing.anything
+    Pool.size
+"""
+    assert undeclared(source, contract) == [
+        "drifted: imports sglang.x.Other",
+        "drifted: .rows_cpu",
+        "drifted: .device",
+        "drifted: .free(force=...)",
+        "drifted: .free() with 2 positional arguments, 1 declared",
+        "drifted: getattr(..., 'hidden')",
+    ]
+
+
+def test_a_watermarked_request_is_seen_as_one() -> None:
+    # Found by the check above: the watermark was read off the request, which has none
+    # (upstream keeps it in the sampling parameters), so a watermarked request speculated.
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(
+        temperature=0.7,
+        top_k=-1,
+        top_p=1.0,
+        min_p=0.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        repetition_penalty=1.0,
+        min_new_tokens=0,
+        logit_bias=None,
+        watermark={"key": 1},
+    )
+    req = SimpleNamespace(
+        sampling_params=params,
+        return_logprob=False,
+        grammar=None,
+        return_sampling_mask=False,
+        return_routed_experts=False,
+        return_indexer_topk=False,
+    )
+    assert upstream.sampling_settings(req, vocab=32).watermark
+    params.watermark = None
+    assert not upstream.sampling_settings(req, vocab=32).watermark
