@@ -88,6 +88,10 @@ _REASONING_FIELDS = (
 )
 
 CONTRACT: tuple[Relied, ...] = (
+    # The plugin API the hooks register through (lynx_patches._hooks).
+    Relied("sglang.srt.plugins.hook_registry", "HookRegistry", "class"),
+    Relied("sglang.srt.plugins.hook_registry", "HookType", "class"),
+    _m("sglang.srt.plugins.hook_registry.HookRegistry", "register", "target", "hook", "hook_type"),
     # Mooncake connector: what Lynx's subclasses read, call and override.
     Relied(BASE_CONN, "KVPoll", "class"),
     Relied(f"{BASE_CONN}.KVPoll", "Success", "member"),
@@ -141,6 +145,7 @@ CONTRACT: tuple[Relied, ...] = (
     _m(TRANSFER_ENGINE, "register", "ptr", "length"),
     _a(TRANSFER_ENGINE, "engine"),
     _m(_SENDER, "__init__", "mgr", "bootstrap_addr", "bootstrap_room"),
+    _a(_SENDER, "supports_host_tensor_indices"),
     _m(_SENDER, "init", "num_kv_indices", "aux_index"),
     _m(_SENDER, "poll"),
     _m(_SENDER, "clear"),
@@ -335,6 +340,7 @@ CONTRACT: tuple[Relied, ...] = (
         "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
         "scheduler",
     ),
+    _a("sglang.srt.managers.io_struct.GetInternalStateReqOutput", "internal_state"),
     # The tokenizer's parallel samples: each gets its own room (lynx_patches.tokenizer_manager).
     _m(_TOKENIZER_MANAGER, "_handle_batch_request", "obj", "request", "request_states"),
     _m(_TOKENIZER_MANAGER, "_send_one_request", "tokenized_obj"),

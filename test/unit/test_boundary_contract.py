@@ -1,6 +1,7 @@
 """The boundary keeps its contract honest: every upstream name an accessor of
-``lynx_patches/upstream.py`` touches is declared in ``CONTRACT``, which the plugin tests
-check against the installed SGLang.
+``lynx_patches/upstream.py`` touches, and every one a hook module reads directly (public
+request and batch fields), is declared in ``CONTRACT``, which the plugin tests check
+against the installed SGLang.
 
 Read from the boundary's source (AST), without SGLang: in each function, the values that
 come from upstream are its parameters typed ``Any`` (upstream objects cross the boundary
@@ -8,7 +9,8 @@ untyped), the names it imports from ``sglang``, and whatever it computes from th
 attribute read or written on such a value, every keyword passed to a method called on one,
 and every positional argument beyond those declared must be in ``CONTRACT`` (by name:
 the plugin test checks owner and signature); a few names of Python containers, tensors
-and events are not upstream's (``NOT_UPSTREAM``)."""
+and events are not upstream's (``NOT_UPSTREAM``), nor are the ``lynx_*`` fields of Lynx's
+subclasses of upstream classes."""
 
 from __future__ import annotations
 
@@ -41,20 +43,40 @@ NOT_UPSTREAM = frozenset(
         "shape",
         "split",
         "synchronize",
+        "update",
     }
 )
+GLUE = BOUNDARY.parent
 # The contract checker itself, and pure parsing of bytes: they touch no upstream object.
 NOT_ACCESSORS = frozenset({"_resolve", "_instance_attributes", "_own_attributes", "contract_violations"})
 
 
-def _root(node: ast.expr) -> ast.expr:
-    while isinstance(node, ast.Attribute | ast.Subscript | ast.Call | ast.Starred):
-        node = node.func if isinstance(node, ast.Call) else node.value
-    return node
+# Builtins whose result holds what their arguments hold (``for req in zip(reqs, ...)``).
+_PASS_THROUGH = frozenset({"zip", "enumerate", "list", "tuple", "sorted", "reversed", "iter", "next"})
 
 
-def _mentions(node: ast.AST, names: set[str]) -> bool:
-    return any(isinstance(sub, ast.Name) and sub.id in names for sub in ast.walk(node))
+def _from_upstream(node: ast.AST | None, values: set[str]) -> bool:
+    """``node`` evaluates to an upstream value: one of ``values``, a field, item or method
+    result of one, or a pass-through builtin or container of one. A call of any other
+    function (Lynx's, ``len``) gives a value of its own."""
+    if isinstance(node, ast.Name):
+        return node.id in values
+    if isinstance(node, ast.Attribute | ast.Subscript | ast.Starred):
+        return _from_upstream(node.value, values)
+    if isinstance(node, ast.Call):
+        if isinstance(node.func, ast.Name) and node.func.id in _PASS_THROUGH:
+            return any(_from_upstream(arg, values) for arg in node.args)
+        return _from_upstream(node.func, values)
+    if isinstance(node, ast.Tuple | ast.List | ast.BoolOp):
+        return any(
+            _from_upstream(e, values)
+            for e in (node.elts if not isinstance(node, ast.BoolOp) else node.values)
+        )
+    if isinstance(node, ast.ListComp | ast.GeneratorExp):
+        return _from_upstream(node.elt, values)
+    if isinstance(node, ast.IfExp):
+        return _from_upstream(node.body, values) or _from_upstream(node.orelse, values)
+    return False
 
 
 def _targets(node: ast.AST) -> Iterator[ast.expr]:
@@ -85,7 +107,7 @@ def _upstream_values(function: ast.FunctionDef, imported: set[str]) -> set[str]:
         found = {
             sub.id
             for node in ast.walk(function)
-            if (source := _source_of(node)) is not None and _mentions(source, values)
+            if _from_upstream(_source_of(node), values)
             for target in _targets(node)
             for sub in ast.walk(target)
             if isinstance(sub, ast.Name)
@@ -104,11 +126,29 @@ def _sglang_imports(function: ast.FunctionDef) -> list[tuple[str, str]]:
     ]
 
 
+def _unfit(call: ast.Call, method: str, signatures: list[tuple[str, ...]]) -> list[str]:
+    """Why ``call`` fits none of the declared ``signatures`` of ``method``: a keyword not
+    declared, or more positional arguments than declared parameters (their names and
+    order are what the plugin test checks)."""
+    keywords = {k.arg for k in call.keywords if k.arg is not None}
+    fits = [p for p in signatures if keywords <= set(p) and len(call.args) <= max(1, len(p))]
+    if fits:
+        return []
+    best = max(signatures, key=len)
+    unknown = sorted(keywords - set(best))
+    if unknown:
+        return [f".{method}({unknown[0]}=...)"]
+    return [f".{method}() with {len(call.args)} positional arguments, {len(best)} declared"]
+
+
 def undeclared(source: str, contract: tuple[Relied, ...]) -> list[str]:
     """Each use of an upstream name in ``source``'s functions that ``contract`` does not
     declare, as ``function: what``."""
     names = {r.name for r in contract}
-    params = {r.name: r.params for r in contract if r.kind == "method"}
+    signatures: dict[str, list[tuple[str, ...]]] = {}
+    for r in contract:
+        if r.kind == "method":
+            signatures.setdefault(r.name, []).append(r.params)
     owners = {r.owner for r in contract} | {f"{r.owner}.{r.name}" for r in contract}
     problems = []
     for function in ast.parse(source).body:
@@ -124,8 +164,9 @@ def undeclared(source: str, contract: tuple[Relied, ...]) -> list[str]:
                 problems.append(f"{where}: imports {module}.{name}")
         values = _upstream_values(function, {name for _, name in imports})
         for node in ast.walk(function):
-            touched = isinstance(node, ast.Attribute) and _mentions(_root(node), values)
-            if touched and node.attr not in names and node.attr not in NOT_UPSTREAM:
+            touched = isinstance(node, ast.Attribute) and _from_upstream(node.value, values)
+            lynx_own = isinstance(node, ast.Attribute) and node.attr.startswith("lynx_")
+            if touched and not lynx_own and node.attr not in names and node.attr not in NOT_UPSTREAM:
                 problems.append(f"{where}: .{node.attr}")
             if not isinstance(node, ast.Call):
                 continue
@@ -137,23 +178,29 @@ def undeclared(source: str, contract: tuple[Relied, ...]) -> list[str]:
             ):
                 obj, attr = node.args[0], node.args[1]
                 literal = isinstance(attr, ast.Constant) and isinstance(attr.value, str)
-                if literal and _mentions(obj, values) and attr.value not in names:
+                lynx_own = literal and attr.value.startswith("lynx_")
+                if literal and not lynx_own and _from_upstream(obj, values) and attr.value not in names:
                     problems.append(f"{where}: {func.id}(..., {attr.value!r})")
-            if isinstance(func, ast.Attribute) and func.attr in params and _mentions(_root(func), values):
-                declared_params = params[func.attr]
-                for keyword in node.keywords:
-                    if keyword.arg is not None and keyword.arg not in declared_params:
-                        problems.append(f"{where}: .{func.attr}({keyword.arg}=...)")
-                if len(node.args) > max(1, len(declared_params)):
-                    problems.append(
-                        f"{where}: .{func.attr}() with {len(node.args)} positional arguments, "
-                        f"{len(declared_params)} declared"
-                    )
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in signatures
+                and _from_upstream(func.value, values)
+            ):
+                problems += [f"{where}: {why}" for why in _unfit(node, func.attr, signatures[func.attr])]
     return problems
 
 
 def test_every_upstream_name_the_boundary_touches_is_in_the_contract() -> None:
     problems = undeclared(BOUNDARY.read_text(), upstream.CONTRACT)
+    assert not problems, "upstream names used but not in upstream.CONTRACT:\n" + "\n".join(problems)
+
+
+def test_hook_modules_read_only_declared_upstream_names() -> None:
+    modules = sorted(path for path in GLUE.glob("*.py") if path != BOUNDARY)
+    assert len(modules) > 15
+    problems = [
+        f"{path.name}: {p}" for path in modules for p in undeclared(path.read_text(), upstream.CONTRACT)
+    ]
     assert not problems, "upstream names used but not in upstream.CONTRACT:\n" + "\n".join(problems)
 
 
