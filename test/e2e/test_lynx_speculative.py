@@ -10,9 +10,10 @@ other modules:
 * ``P0``/``D0`` (shared): plain PD without Lynx (the reference); both pairs compute in
   FP32 over a BF16 KV pool (``pdtools.batch_variant``: only a verify pass that computes
   each held row as its decode step did can equal plain PD there);
-* ``PI``/``DI``: speculative, INT8 residual, protected first and last tokens; ``DI``
-  retracts every few steps (``SGLANG_TEST_RETRACT``), which parks speculating requests;
-* ``PF``/``DF``: ``full`` mode, INT8 residual (the reference for ``DI``).
+* ``PI``/``DI``: speculative, INT8 residual; ``DI`` retracts every few steps
+  (``SGLANG_TEST_RETRACT``), which parks speculating requests;
+* ``PF``/``DF``: ``full`` mode, INT8 residual (the reference for ``DI`` and ``DP``);
+* ``PP``/``DP``: speculative, INT8 residual, protected first and last tokens.
 
 Every decode server runs upstream's strict idle memory check and KV page invariants, and
 its default overlap scheduler (the non-overlap loop is exercised by test_pd_cluster.py
@@ -72,9 +73,6 @@ FULL_INT8 = [
     str(SPEC_DEADLINE_S),
 ]
 PROMPTS = [*COMMON_PROMPTS, "In a hole in the ground there lived"]
-# Each prompt repeated to 200-510 tokens: longer than the protected 16 + 32, so every
-# request of a batch mix speculates on its Anchor middle.
-BATCH_PROMPTS = [(p + " ") * (1 + (160 + 60 * i) // len(p)) for i, p in enumerate(PROMPTS)]
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +87,12 @@ def servers(
         env={**CHECKS, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "5"},
     )
     own: dict[str, Any] = {
-        "PI": Prefill(config, log_dir, "PI", SPEC_PROTECTED),
-        "DI": decode_server(retracting, log_dir, "DI", SPEC_PROTECTED),
+        "PI": Prefill(config, log_dir, "PI", SPEC),
+        "DI": decode_server(retracting, log_dir, "DI", [*SPEC]),
         "PF": Prefill(config, log_dir, "PF", FULL_INT8),
         "DF": decode_server(config, log_dir, "DF", FULL_INT8),
+        "PP": Prefill(config, log_dir, "PP", SPEC_PROTECTED),
+        "DP": decode_server(config, log_dir, "DP", [*SPEC_PROTECTED]),
     }
     with shared.running(request, own) as group:
         yield group
@@ -135,8 +135,7 @@ def test_speculative_with_exact_residual_equals_plain_pd(servers: dict, idle_kv:
 def test_speculative_equals_full_mode_under_batch_mixes(servers: dict, idle_kv: dict) -> None:
     """Concurrent requests of different lengths and limits share decode batches with one
     another on Anchor KV, get parked at the cap or at max_new_tokens, are verified
-    together, and some are retracted/parked by upstream's retraction drill; protected first
-    and last tokens travel exact on the Anchor lane meanwhile."""
+    together, and some are retracted/parked by upstream's retraction drill."""
     lengths = [24, 5, 12, 24, 3, 17]
 
     def run(prefill: str, decode: str, prompt: str, n: int) -> Any:
@@ -144,7 +143,7 @@ def test_speculative_equals_full_mode_under_batch_mixes(servers: dict, idle_kv: 
 
     parked = []
     for shift in (0, 3):
-        pairs = [(BATCH_PROMPTS[(i + shift) % len(BATCH_PROMPTS)], n) for i, n in enumerate(lengths)]
+        pairs = [(PROMPTS[(i + shift) % len(PROMPTS)], n) for i, n in enumerate(lengths)]
         spec = concurrently([run("PI", "DI", p, n) for p, n in pairs])
         full = concurrently([run("PF", "DF", p, n) for p, n in pairs])
         for (prompt, n), a, b in zip(pairs, spec, full, strict=True):
@@ -160,7 +159,7 @@ def test_protected_tokens_keep_the_output_of_full_mode(servers: dict) -> None:
     """Protection changes what the draft decodes on, not what is committed: the refined KV
     is the same INT8 reconstruction as ``full`` mode's, protected tokens included."""
     for prompt in (PROMPTS[3], PROMPTS[1]):
-        protected = pd_generate(servers["PI"], servers["DI"], prompt, max_new_tokens=24)
+        protected = pd_generate(servers["PP"], servers["DP"], prompt, max_new_tokens=24)
         full = pd_generate(servers["PF"], servers["DF"], prompt, max_new_tokens=24)
         assert protected["output_ids"] == full["output_ids"], prompt[:40]
         report = protected["meta_info"]["lynx_transfer"][0]
