@@ -58,6 +58,7 @@ class Req:
             repetition_penalty=1.0,
             min_new_tokens=0,
             logit_bias=None,
+            watermark=None,
         )
         self.return_logprob = False
         self.return_sampling_mask = False
