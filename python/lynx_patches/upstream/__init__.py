@@ -1,0 +1,179 @@
+"""The one boundary between Lynx and SGLang's internals (``sglang==0.5.23``).
+
+Every private attribute, message frame position, batch construction and field write
+Lynx relies on is a named function of this package, one module per topic
+(:mod:`~lynx_patches.upstream.connector`, :mod:`~lynx_patches.upstream.requests`,
+:mod:`~lynx_patches.upstream.scheduler`, :mod:`~lynx_patches.upstream.verify_forward`);
+the rest of ``lynx_patches`` calls them as ``upstream.<name>`` and reads only the public
+request and batch fields the contract lists. Each topic module declares, beside its
+functions, the upstream names they rely on (its ``RELIED``); :data:`CONTRACT` is their
+union, with the launcher-level names of :mod:`~lynx_patches.upstream.contract`.
+``test/plugin/test_upstream_contract.py`` checks every entry (and the metadata frame
+layout) against the installed SGLang, so an upgrade that moves one fails a test naming it
+instead of a request at run time; ``test/unit/test_boundary_contract.py`` reads the
+glue's source and fails on any upstream attribute, method, keyword or positional
+argument used and not declared.
+
+SGLang is imported inside the functions: this package is imported at plugin
+registration, before SGLang may be.
+"""
+
+from __future__ import annotations
+
+from lynx_patches.upstream import connector, contract, requests, scheduler, verify_forward
+from lynx_patches.upstream.connector import (
+    MetadataFrames,
+    aborted_room,
+    control_endpoint,
+    fail_receiver,
+    fail_receiver_alone,
+    fail_room,
+    manager_attn_tp_size,
+    manager_engine_rank,
+    manager_is_mla,
+    manager_is_prefill,
+    manager_page_size,
+    manager_transfer_engine,
+    metadata_frames_violation,
+    metadata_state_indices,
+    metrics_enabled,
+    parse_metadata_frames,
+    peer_attn_tp_size,
+    random_seed,
+    rank_reduce_min,
+    receiver_failure,
+    register_receive_buffer,
+    room_failed,
+    room_is_live,
+    send_to_peer,
+    synchronize_send_events,
+    unreadable_peer_message,
+    upstream_status,
+)
+from lynx_patches.upstream.contract import (
+    Relied,
+    contract_violations,
+)
+from lynx_patches.upstream.requests import (
+    abort_with,
+    append_output,
+    clear_finish,
+    first_stream_chunk,
+    is_aborting,
+    kv_allocated_len,
+    logprob_request,
+    parallel_sample_rooms,
+    reasoning_state,
+    recount_reasoning,
+    replace_output_logprobs,
+    req_pool_row,
+    resend_request_info,
+    returns_original_logprobs,
+    sampling_settings,
+    send_with_room,
+    send_without_transfer,
+    set_kv_len,
+    set_request_info,
+    tokenized_room,
+    truncate_output,
+)
+from lynx_patches.upstream.scheduler import (
+    batch_without,
+    controller_scheduler,
+    free_kv_tokens,
+    kv_pool_buffers,
+    nothing_retracted,
+    overlaps,
+    pause_retracts,
+    process_in_flight_batch,
+    queue_kv_pool,
+    queue_scheduler,
+    release_and_answer,
+    remove_from_batches,
+    requeue,
+    vocab_size,
+)
+from lynx_patches.upstream.verify_forward import (
+    decode_forward_rows,
+    next_token_logits,
+    run_verify_forward,
+)
+
+CONTRACT: tuple[Relied, ...] = (
+    *contract.RELIED,
+    *connector.RELIED,
+    *requests.RELIED,
+    *scheduler.RELIED,
+    *verify_forward.RELIED,
+)
+
+__all__ = [
+    "CONTRACT",
+    "MetadataFrames",
+    "Relied",
+    "abort_with",
+    "aborted_room",
+    "append_output",
+    "batch_without",
+    "clear_finish",
+    "contract_violations",
+    "control_endpoint",
+    "controller_scheduler",
+    "decode_forward_rows",
+    "fail_receiver",
+    "fail_receiver_alone",
+    "fail_room",
+    "first_stream_chunk",
+    "free_kv_tokens",
+    "is_aborting",
+    "kv_allocated_len",
+    "kv_pool_buffers",
+    "logprob_request",
+    "manager_attn_tp_size",
+    "manager_engine_rank",
+    "manager_is_mla",
+    "manager_is_prefill",
+    "manager_page_size",
+    "manager_transfer_engine",
+    "metadata_frames_violation",
+    "metadata_state_indices",
+    "metrics_enabled",
+    "next_token_logits",
+    "nothing_retracted",
+    "overlaps",
+    "parallel_sample_rooms",
+    "parse_metadata_frames",
+    "pause_retracts",
+    "peer_attn_tp_size",
+    "process_in_flight_batch",
+    "queue_kv_pool",
+    "queue_scheduler",
+    "random_seed",
+    "rank_reduce_min",
+    "reasoning_state",
+    "receiver_failure",
+    "recount_reasoning",
+    "register_receive_buffer",
+    "release_and_answer",
+    "remove_from_batches",
+    "replace_output_logprobs",
+    "req_pool_row",
+    "requeue",
+    "resend_request_info",
+    "returns_original_logprobs",
+    "room_failed",
+    "room_is_live",
+    "run_verify_forward",
+    "sampling_settings",
+    "send_to_peer",
+    "send_with_room",
+    "send_without_transfer",
+    "set_kv_len",
+    "set_request_info",
+    "synchronize_send_events",
+    "tokenized_room",
+    "truncate_output",
+    "unreadable_peer_message",
+    "upstream_status",
+    "vocab_size",
+]

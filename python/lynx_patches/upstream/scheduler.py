@@ -1,0 +1,166 @@
+"""The scheduler, its queues, batches and KV pool, as Lynx's hooks reach them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from lynx_patches.errors import LynxConfigError
+from lynx_patches.upstream.contract import BATCH, SCHEDULER, Relied, attribute, method
+
+RELIED: tuple[Relied, ...] = (
+    # The queues Lynx hooks, and what it reads off them.
+    method("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "_init_kv_manager"),
+    attribute("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "token_to_kv_pool"),
+    method("sglang.srt.disaggregation.decode.DecodePreallocQueue", "_init_kv_manager"),
+    attribute("sglang.srt.disaggregation.decode.DecodePreallocQueue", "token_to_kv_pool"),
+    attribute("sglang.srt.disaggregation.decode.DecodePreallocQueue", "scheduler"),
+    attribute("sglang.srt.managers.tp_worker.TpModelWorker", "random_seed"),
+    method("sglang.srt.disaggregation.decode.DecodeTransferQueue", "_commit_transfer_to_req", "decode_req"),
+    attribute("sglang.srt.disaggregation.decode.DecodeTransferQueue", "scheduler"),
+    attribute("sglang.srt.disaggregation.decode.DecodeRequest", "req"),
+    attribute("sglang.srt.disaggregation.decode.DecodeRequest", "kv_receiver"),
+    # KV pool.
+    attribute("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "k_buffer"),
+    attribute("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "v_buffer"),
+    attribute("sglang.srt.mem_cache.memory_pool.KVCache", "dtype"),
+    attribute("sglang.srt.mem_cache.memory_pool.KVCache", "store_dtype"),
+    method(BATCH, "filter_batch", "keep_indices"),
+    method(BATCH, "is_empty"),
+    method(BATCH, "retract_decode"),
+    method("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator", "available_size"),
+    method("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache", "free_kv_row", "kv", "ranges"),
+    attribute("sglang.srt.configs.model_config.ModelConfig", "vocab_size"),
+    method(SCHEDULER, "is_fully_idle"),
+    method(SCHEDULER, "process_batch_result", "batch", "result"),
+    method(SCHEDULER, "collect_inflight_reqs"),
+    *(
+        attribute(SCHEDULER, name)
+        for name in (
+            "running_batch",
+            "waiting_queue",
+            "tree_cache",
+            "req_to_token_pool",
+            "token_to_kv_pool_allocator",
+            "model_config",
+            "spec_algorithm",
+            "tp_worker",
+            "output_streamer",
+            "disagg_prefill_bootstrap_queue",
+            "disagg_decode_prealloc_queue",
+            "enable_overlap",
+            "attn_tp_cpu_group",
+            "last_batch",
+            "result_queue",
+        )
+    ),
+    Relied("sglang.srt.mem_cache.common", "release_kv_cache", "function"),
+    method(
+        "sglang.srt.managers.scheduler_components.new_token_ratio_tracker.NewTokenRatioTracker",
+        "estimate_new_token_ratio_after_retract",
+    ),
+    method(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
+        "stream_output",
+        "reqs",
+        "return_logprob",
+    ),
+    attribute(
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
+        "scheduler",
+    ),
+    attribute("sglang.srt.managers.io_struct.GetInternalStateReqOutput", "internal_state"),
+)
+
+
+def queue_scheduler(queue: Any) -> Any:
+    return queue.scheduler
+
+
+def controller_scheduler(controller: Any) -> Any:
+    """The scheduler whose ``/server_info`` internal state ``controller`` answers with."""
+    return controller.scheduler
+
+
+def queue_kv_pool(queue: Any) -> Any:
+    return queue.token_to_kv_pool
+
+
+def kv_pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The per-layer K and V buffers of an MHA KV pool; raises (naming the pool) for any
+    other kind, and for a quantized KV cache."""
+    k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+    if not isinstance(k, list) or not isinstance(v, list):
+        raise LynxConfigError(f"--lynx needs an MHA KV pool with per-layer K/V buffers, got {type(pool)}")
+    if getattr(pool, "store_dtype", pool.dtype) != pool.dtype:
+        raise LynxConfigError(f"--lynx does not support a quantized KV cache ({pool.dtype})")
+    return k, v
+
+
+def free_kv_tokens(scheduler: Any) -> int:
+    return int(scheduler.token_to_kv_pool_allocator.available_size())
+
+
+def vocab_size(scheduler: Any) -> int:
+    return int(scheduler.model_config.vocab_size)
+
+
+def remove_from_batches(scheduler: Any, reqs: Iterable[Any]) -> None:
+    """Take ``reqs`` out of the running batch and the waiting queue (they keep their KV)."""
+    ids = {id(req) for req in reqs}
+    batch = scheduler.running_batch
+    if any(id(req) in ids for req in batch.reqs):
+        batch.filter_batch(keep_indices=[i for i, req in enumerate(batch.reqs) if id(req) not in ids])
+    if any(id(req) in ids for req in scheduler.waiting_queue):
+        scheduler.waiting_queue = [req for req in scheduler.waiting_queue if id(req) not in ids]
+
+
+def overlaps(scheduler: Any) -> bool:
+    """The scheduler runs upstream's overlap loop (a batch in flight while the last one's
+    results are processed)."""
+    return bool(scheduler.enable_overlap)
+
+
+def process_in_flight_batch(scheduler: Any) -> None:
+    """Overlap loop: process the results of the batch launched last iteration now, so no
+    request has a token in flight, and leave the loop no last batch to process -- what
+    upstream's own ``pause_generation`` does before it retracts. A no-op otherwise."""
+    if scheduler.enable_overlap and scheduler.last_batch is not None and scheduler.result_queue:
+        batch, result = scheduler.result_queue.popleft()
+        scheduler.process_batch_result(batch, result)
+        scheduler.last_batch = None
+
+
+def pause_retracts(recv_req: Any) -> bool:
+    """A ``pause_generation`` request that retracts running requests (not in place)."""
+    return recv_req.mode == "retract"
+
+
+def requeue(scheduler: Any, req: Any) -> None:
+    """Back through the waiting queue: upstream's prebuilt path re-admits it with its
+    committed tokens, as it resumes a retracted request."""
+    scheduler.waiting_queue.append(req)
+
+
+def release_and_answer(scheduler: Any, req: Any) -> None:
+    """A finished request: free its KV and answer the client (upstream's prebuilt path
+    refuses finished requests)."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
+    scheduler.output_streamer.stream_output([req], req.return_logprob)
+
+
+def batch_without(batch: Any, remove: Sequence[int]) -> None:
+    """Drop rows ``remove`` of ``batch`` (their requests keep their KV)."""
+    gone = set(remove)
+    batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i not in gone])
+
+
+def nothing_retracted(parked: list[Any]) -> tuple[list[Any], float, list[Any]]:
+    """``retract_decode``'s result when Lynx parked every request of the batch instead."""
+    from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
+
+    return [], NewTokenRatioTracker.estimate_new_token_ratio_after_retract(parked), []
