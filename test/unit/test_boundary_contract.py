@@ -237,33 +237,3 @@ def drifted(pool: Any, lynx_thing: Thing) -> None:
         "drifted: .free() with 2 positional arguments, 1 declared",
         "drifted: getattr(..., 'hidden')",
     ]
-
-
-def test_a_watermarked_request_is_seen_as_one() -> None:
-    # Found by the check above: the watermark was read off the request, which has none
-    # (upstream keeps it in the sampling parameters), so a watermarked request speculated.
-    from types import SimpleNamespace
-
-    params = SimpleNamespace(
-        temperature=0.7,
-        top_k=-1,
-        top_p=1.0,
-        min_p=0.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-        repetition_penalty=1.0,
-        min_new_tokens=0,
-        logit_bias=None,
-        watermark={"key": 1},
-    )
-    req = SimpleNamespace(
-        sampling_params=params,
-        return_logprob=False,
-        grammar=None,
-        return_sampling_mask=False,
-        return_routed_experts=False,
-        return_indexer_topk=False,
-    )
-    assert upstream.sampling_settings(req, vocab=32).watermark
-    params.watermark = None
-    assert not upstream.sampling_settings(req, vocab=32).watermark

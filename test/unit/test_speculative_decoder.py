@@ -50,7 +50,7 @@ class Req:
         self.rid = rid
         self.origin_input_ids = list(range(PROMPT))
         self.output_ids = [7]  # t_0, from prefill
-        params = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, **sampling}
+        params = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "watermark": None, **sampling}
         self.sampling_params = SimpleNamespace(
             **params,
             frequency_penalty=0.0,
@@ -58,7 +58,6 @@ class Req:
             repetition_penalty=1.0,
             min_new_tokens=0,
             logit_bias=None,
-            watermark=None,
         )
         self.return_logprob = False
         self.return_sampling_mask = False
@@ -468,3 +467,12 @@ def test_overlap_verification_processes_the_step_in_flight_first(overlapped: Sim
     assert overlapped.drained == [1]  # one bubble, before the request left the batch
     assert overlapped.forwarded == [["a"]] and req.output_ids == [7, 1, 2]
     assert scheduler.waiting_queue == [req] and scheduler.running_batch.reqs == []
+
+
+def test_a_watermarked_request_is_seen_as_one() -> None:
+    # Found by test_boundary_contract.py: the watermark was read off the request, which has
+    # none (upstream keeps it in the sampling parameters), so a watermarked request speculated.
+    req = Req("w", watermark={"key": 1})
+    assert upstream.sampling_settings(req, vocab=32).watermark
+    req.sampling_params.watermark = None
+    assert not upstream.sampling_settings(req, vocab=32).watermark
