@@ -295,7 +295,24 @@ class SpeculativeDecoder:
         if not self._tracked:
             return
         self._take_out_parked(scheduler)
-        tracked, verdicts, reasons = [], [], []
+        polled = self._poll_residuals()
+        if not polled:
+            return
+        ready, failed = self._agree(polled, reduce_min)
+        if not ready and not failed:
+            return
+        if self.overlap:
+            ready, failed = self._settle_step_in_flight(scheduler, ready, failed)
+        upstream.remove_from_batches(scheduler, [req for req, _ in failed] + ready)
+        for req, reason in failed:
+            self._fail(scheduler, req, reason)
+        if ready:
+            self._verify_and_commit(scheduler, ready)
+
+    def _poll_residuals(self) -> list[tuple[Any, Verdict, str | None]]:
+        """Phase 1: each tracked request with its Residual's verdict on this rank (READY
+        once refined here), ending those that finished meanwhile."""
+        polled = []
         for room, req in list(self._tracked.items()):
             if req.finished():  # aborted in a batch, or finished on t_0
                 self._end(room, drain=True)
@@ -308,47 +325,45 @@ class SpeculativeDecoder:
                     verdict, reason = self._refine(req)
                 elif verdict is Verdict.FAIL:
                     reason = reason or "the Residual did not arrive"
-            tracked.append(req)
-            verdicts.append(verdict)
-            reasons.append(reason)
-        if not tracked:
-            return
-        specs = [self._spec(req) for req in tracked]
+            polled.append((req, verdict, reason))
+        return polled
+
+    def _agree(
+        self, polled: list[tuple[Any, Verdict, str | None]], reduce_min: ReduceMin | None
+    ) -> tuple[list[Any], list[tuple[Any, str | None]]]:
+        """Phase 2: what every TP rank decided (READY everywhere, FAIL anywhere) and the
+        agreed windows; returns (ready, [(failed, reason)])."""
+        specs = [self._spec(req) for req, _, _ in polled]
         agreement = agree(
-            [spec.room for spec in specs], [spec.held.cap for spec in specs], verdicts, reduce_min
+            [spec.room for spec in specs],
+            [spec.held.cap for spec in specs],
+            [verdict for _, verdict, _ in polled],
+            reduce_min,
         )
         ready, failed = [], []
-        for req, spec, window, verdict, reason, elsewhere in zip(
-            tracked,
-            specs,
-            agreement.windows,
-            agreement.verdicts,
-            reasons,
-            agreement.others_failed,
-            strict=True,
-        ):
-            spec.held.cap = window  # lowered only for requests that hold nothing yet
-            if verdict is Verdict.READY:
+        for n, ((req, _, reason), spec) in enumerate(zip(polled, specs, strict=True)):
+            spec.held.cap = agreement.windows[n]  # lowered only for requests that hold nothing yet
+            if agreement.verdicts[n] is Verdict.READY:
                 ready.append(req)
-            elif verdict is Verdict.FAIL:
-                failed.append((req, OTHER_RANK_FAILED if elsewhere else reason))
-        if not ready and not failed:
-            return
-        if self.overlap:
-            # One bubble per verification: the step in flight delivers its tokens (held, or
-            # the late token of a parked request) before these requests leave the batch.
-            upstream.process_in_flight_batch(scheduler)
-            self._take_out_parked(scheduler)
-            for req in [*ready, *(req for req, _ in failed)]:
-                if req.finished():  # aborted in that step: upstream released and answered it
-                    self._end(self._spec(req).room, drain=True)
-            ready = [req for req in ready if not req.finished()]
-            failed = [(req, reason) for req, reason in failed if not req.finished()]
-        upstream.remove_from_batches(scheduler, [req for req, _ in failed] + ready)
-        for req, reason in failed:
-            self._fail(scheduler, req, reason)
-        if ready:
-            self._verify_and_commit(scheduler, ready)
+            elif agreement.verdicts[n] is Verdict.FAIL:
+                failed.append((req, OTHER_RANK_FAILED if agreement.others_failed[n] else reason))
+        return ready, failed
+
+    def _settle_step_in_flight(
+        self, scheduler: Any, ready: list[Any], failed: list[tuple[Any, str | None]]
+    ) -> tuple[list[Any], list[tuple[Any, str | None]]]:
+        """Phase 3, overlap loop only: one bubble per verification. The step in flight
+        delivers its tokens (held, or the late token of a parked request) before these
+        requests leave the batch; those it finished (an abort) are ended here."""
+        upstream.process_in_flight_batch(scheduler)
+        self._take_out_parked(scheduler)
+        for req in [*ready, *(req for req, _ in failed)]:
+            if req.finished():  # aborted in that step: upstream released and answered it
+                self._end(self._spec(req).room, drain=True)
+        return (
+            [req for req in ready if not req.finished()],
+            [(req, reason) for req, reason in failed if not req.finished()],
+        )
 
     def _refine(self, req: Any) -> tuple[Verdict, str | None]:
         """The Residual landed: rewrite the request's prompt KV at full precision (once)."""
@@ -451,12 +466,20 @@ class SpeculativeDecoder:
             upstream.requeue(scheduler, req)
 
     def _verify_and_commit(self, scheduler: Any, reqs: list[Any]) -> None:
-        # Phases timed apart (refine, forward, commit): the verify pass must cost a few
-        # decode steps, and this says which phase does not.
+        """Phase 4: check, verify (one pass for all), decide and commit each request.
+        Timed apart (forward, commit): the verify pass must cost a few decode steps, and
+        the stats say which part does not."""
         for req in reqs:
             self._spec(req).held.verifying()
-        # A request whose held tokens cannot be verified fails alone, before the forward
-        # they would break for every request in it.
+        verified, verify_s = self._verify_forward(scheduler, self._checked_for_verification(scheduler, reqs))
+        commit_started = time.monotonic()
+        for req, rows in verified:
+            self._decide_and_commit(scheduler, req, rows, verify_s)
+        self.stats.commit_seconds += time.monotonic() - commit_started
+
+    def _checked_for_verification(self, scheduler: Any, reqs: list[Any]) -> list[Any]:
+        """A request whose held tokens cannot be verified fails alone, before the forward
+        they would break for every request in it."""
         checked = []
         for req in reqs:
             spec = self._spec(req)
@@ -469,74 +492,83 @@ class SpeculativeDecoder:
                 checked.append(req)
             else:
                 self._fail(scheduler, req, f"cannot verify its held tokens: {problem}")
+        return checked
+
+    def _verify_forward(
+        self, scheduler: Any, checked: list[Any]
+    ) -> tuple[list[tuple[Any, torch.Tensor | None]], float]:
+        """The verify pass over the requests that hold tokens; returns each request left to
+        decide with its logit rows (None: it holds nothing), and the pass's seconds. If the
+        pass raises (a bug, a device fault), the requests in it fail and the server serves
+        on."""
         drafted = [req for req in checked if len(req.output_ids) > 1]
+        undrafted: list[tuple[Any, torch.Tensor | None]] = [
+            (req, None) for req in checked if len(req.output_ids) <= 1
+        ]
+        if not drafted:
+            return undrafted, 0.0
         started = time.monotonic()
         try:
-            logits = (
-                upstream.run_verify_forward(
-                    scheduler,
-                    drafted,
-                    [self._spec(r).prompt_len for r in drafted],
-                    in_steps=self.verify_in_steps,
-                )
-                if drafted
-                else []
+            prompt_lens = [self._spec(r).prompt_len for r in drafted]
+            logits = upstream.run_verify_forward(
+                scheduler, drafted, prompt_lens, in_steps=self.verify_in_steps
             )
-        except Exception as exc:  # a bug or a device fault: these requests fail, the server serves on
+        except Exception as exc:
             logger.exception("Lynx: the verify forward of %d requests failed", len(drafted))
-            checked = [req for req in checked if req not in drafted]
             for req in drafted:
                 self._fail(scheduler, req, f"the verify forward failed: {exc}")
-            drafted, logits = [], []
+            return undrafted, 0.0
         verify_s = time.monotonic() - started
-        if drafted:
-            self.stats.verify_passes += 1
-            self.stats.verify_seconds += verify_s
-        by_req = {id(req): rows for req, rows in zip(drafted, logits, strict=True)}
-        commit_started = time.monotonic()
-        for req in checked:
-            spec = self._spec(req)
-            rows = by_req.get(id(req))
-            try:
-                decision = decide(
-                    spec.held.tokens,
-                    rows,
-                    spec.sampling,
-                    draft_probs=spec.held.draft_probs,
-                    generator=self._generator,
-                    tolerance=self.tolerance,
-                )
-                logprobs = (
-                    committed_logprobs(rows, decision.committed(spec.held.tokens), spec.sampling.logprobs)
-                    if rows is not None and spec.sampling.logprobs is not None
-                    else None
-                )
-            except ValueError as exc:  # e.g. non-finite verify logits: this request only
-                self._fail(scheduler, req, f"verifying its held tokens failed: {exc}")
-                continue
-            if spec.last_held_at is not None:
-                self.window.observe_decoding(decision.held, spec.last_held_at - spec.admitted_at)
-            park_reason = spec.held.park_reason
-            spec.held.committed(decision.accepted)
-            self._commit(scheduler, req, decision.accepted, decision.correction, logprobs)
-            spec.report = report(
-                decision,
-                window=spec.held.cap,
-                park_reason=park_reason,
-                anchor_to_commit_s=time.monotonic() - spec.admitted_at,
-                verify_s=verify_s if rows is not None else 0.0,
-                refine_s=spec.refine_s or 0.0,
+        self.stats.verify_passes += 1
+        self.stats.verify_seconds += verify_s
+        rows_of = {id(req): rows for req, rows in zip(drafted, logits, strict=True)}
+        return [(req, rows_of.get(id(req))) for req in checked], verify_s
+
+    def _decide_and_commit(
+        self, scheduler: Any, req: Any, rows: torch.Tensor | None, verify_s: float
+    ) -> None:
+        """Accept the held prefix the verify rows agree with, commit it with the
+        correction, report, and hand the request back to the decode loop."""
+        spec = self._spec(req)
+        try:
+            decision = decide(
+                spec.held.tokens,
+                rows,
+                spec.sampling,
+                draft_probs=spec.held.draft_probs,
+                generator=self._generator,
+                tolerance=self.tolerance,
             )
-            self.stats.record(spec.report)
-            if self.metrics is not None:
-                self.metrics.speculated(spec.report)
-            if len(req.output_ids) > 1:
-                # Finish checks (EOS, stop strings, max_new_tokens) over the committed run.
-                req.update_finish_state(len(req.output_ids) - 1)
-            self._end(spec.room, drain=False)
-            self._report(req, spec)
-            self._hand_back(scheduler, req)
-        self.stats.commit_seconds += time.monotonic() - commit_started
+            logprobs = (
+                committed_logprobs(rows, decision.committed(spec.held.tokens), spec.sampling.logprobs)
+                if rows is not None and spec.sampling.logprobs is not None
+                else None
+            )
+        except ValueError as exc:  # e.g. non-finite verify logits: this request only
+            self._fail(scheduler, req, f"verifying its held tokens failed: {exc}")
+            return
+        if spec.last_held_at is not None:
+            self.window.observe_decoding(decision.held, spec.last_held_at - spec.admitted_at)
+        park_reason = spec.held.park_reason
+        spec.held.committed(decision.accepted)
+        self._commit(scheduler, req, decision.accepted, decision.correction, logprobs)
+        spec.report = report(
+            decision,
+            window=spec.held.cap,
+            park_reason=park_reason,
+            anchor_to_commit_s=time.monotonic() - spec.admitted_at,
+            verify_s=verify_s if rows is not None else 0.0,
+            refine_s=spec.refine_s or 0.0,
+        )
+        self.stats.record(spec.report)
+        if self.metrics is not None:
+            self.metrics.speculated(spec.report)
+        if len(req.output_ids) > 1:
+            # Finish checks (EOS, stop strings, max_new_tokens) over the committed run.
+            req.update_finish_state(len(req.output_ids) - 1)
+        self._end(spec.room, drain=False)
+        self._report(req, spec)
+        self._hand_back(scheduler, req)
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
