@@ -43,6 +43,7 @@ messages of their own on the same sockets.
 
 from __future__ import annotations
 
+import enum
 import logging
 from typing import Any
 
@@ -238,17 +239,48 @@ class LynxKVSender(MooncakeKVSender):
         super().clear()
 
 
+class ReceiverStep(enum.Enum):
+    """Where one decode request's connector stands with Lynx. What has landed for the
+    room is the core's (:class:`lynx.transfer.ReceiveTracker`); once the request decodes
+    on its Anchor, its speculation is the decoder's
+    (:class:`lynx_patches.speculative_decoder.Speculation`)."""
+
+    UNREGISTERED = "unregistered"  # before send_metadata, or failed before taking the room
+    WAITING_SPACE = "waiting_space"  # took the room; the metadata waits for receive space
+    OFFERED = "offered"  # metadata and offer out; upstream's Success waits on Lynx's verdict
+    SPECULATING = "speculating"  # its Anchor is in the KV, the room kept for the decoder
+    RELEASED = "released"  # the room given up: decoded in full, failed, aborted or cleared
+
+
+RECEIVER_STEPS: dict[ReceiverStep, frozenset[ReceiverStep]] = {
+    ReceiverStep.UNREGISTERED: frozenset({ReceiverStep.WAITING_SPACE}),
+    ReceiverStep.WAITING_SPACE: frozenset({ReceiverStep.OFFERED, ReceiverStep.RELEASED}),
+    ReceiverStep.OFFERED: frozenset({ReceiverStep.SPECULATING, ReceiverStep.RELEASED}),
+    ReceiverStep.SPECULATING: frozenset({ReceiverStep.RELEASED}),
+    ReceiverStep.RELEASED: frozenset(),
+}
+
+
 class LynxKVReceiver(MooncakeKVReceiver):
     kv_mgr: LynxKVManager
+    lynx_step = ReceiverStep.UNREGISTERED
     lynx_slots: torch.Tensor | None = None  # the request's KV slots, in token order
+    lynx_report: RoomReport | None = None  # what its transfer cost, once released after decoding
+    # WAITING_SPACE: upstream's send_metadata call, made once receive space is reserved
     _lynx_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-    _lynx_registered = False  # the receiver holds the room's Lynx state
     _lynx_refused: str | None = None  # why this request failed alone (its room is another's)
-    _lynx_written = False
-    # Speculative mode: its Anchor is in the KV, the Residual still in flight; the room
-    # outlives this receiver (the SpeculativeDecoder takes it over at commit).
-    lynx_speculating = False
-    lynx_report: RoomReport | None = None
+
+    def _lynx_move(self, step: ReceiverStep) -> None:
+        if step not in RECEIVER_STEPS[self.lynx_step]:
+            room = self.bootstrap_room
+            raise RuntimeError(f"room {room}: Lynx receiver {self.lynx_step.value} -> {step.value}")
+        self.lynx_step = step
+
+    @property
+    def lynx_speculating(self) -> bool:
+        """Speculative mode: its Anchor is in the KV, the Residual may be in flight; the
+        room outlives this receiver (the SpeculativeDecoder takes it over at commit)."""
+        return self.lynx_step is ReceiverStep.SPECULATING
 
     @property
     def _lynx(self) -> LynxRuntime:
@@ -288,7 +320,7 @@ class LynxKVReceiver(MooncakeKVReceiver):
         except ReceiveCapacityError as exc:
             self._lynx_fail(str(exc))
             return
-        self._lynx_registered = True
+        self._lynx_move(ReceiverStep.WAITING_SPACE)
         self._lynx_call = ((kv_indices, *args), kwargs)
         self._lynx_publish()
 
@@ -300,6 +332,7 @@ class LynxKVReceiver(MooncakeKVReceiver):
             return False
         args, kwargs = self._lynx_call
         self._lynx_call = None
+        self._lynx_move(ReceiverStep.OFFERED)
         super().send_metadata(*args, **kwargs)  # build_receiver_metadata_message appends the offer
         return True
 
@@ -307,16 +340,16 @@ class LynxKVReceiver(MooncakeKVReceiver):
         upstream.fail_receiver(self, f"Lynx: {reason}")
 
     def poll(self) -> int:
-        if self._lynx_call is not None and not self._lynx_publish():
+        if self.lynx_step is ReceiverStep.WAITING_SPACE and not self._lynx_publish():
             status = super().poll()
             return status if status == KVPoll.Failed else KVPoll.WaitingForInput
         status = super().poll()
+        if self.lynx_step is not ReceiverStep.OFFERED:
+            return status
         lynx = self._lynx
         receiver = lynx.receiver
         assert receiver is not None
         room = self.bootstrap_room
-        if self._lynx_written or not self._lynx_registered:
-            return status
         verdict, reason = receiver.verdict(room, upstream.upstream_status(status))
         if verdict is Verdict.WAIT:
             return KVPoll.Transferring if status == KVPoll.Success else status
@@ -338,12 +371,11 @@ class LynxKVReceiver(MooncakeKVReceiver):
             self.ensure_abort_notified()
             self._lynx_release()
             return KVPoll.Failed
-        self._lynx_written = True
         # With TP ranks, one rank's Residual may have landed and another's not: every rank
         # admits the request to speculation alike and they agree when to verify (a request
         # refined everywhere commits at once, with nothing held).
         if receiver.mode.verifies and (not full or lynx.tp_ranks > 1):
-            self.lynx_speculating = True
+            self._lynx_move(ReceiverStep.SPECULATING)
             return status
         self.lynx_report = self._lynx_release()
         if self.lynx_report is not None and lynx.metrics is not None:
@@ -366,18 +398,18 @@ class LynxKVReceiver(MooncakeKVReceiver):
 
     def lynx_end_speculation(self) -> None:
         """The request ended at commit: nobody will verify it."""
-        self.lynx_speculating = False
         self._lynx_release()
 
     def _lynx_release(self) -> RoomReport | None:
         """Give the room's Lynx state up, once: a later request may take the room."""
-        lynx = self.kv_mgr.lynx
-        report = None
-        if self._lynx_registered and lynx is not None and lynx.receiver is not None:
-            report = lynx.receiver.forget(self.bootstrap_room)
-        self._lynx_registered = False
+        if self.lynx_step in (ReceiverStep.UNREGISTERED, ReceiverStep.RELEASED):
+            return None
+        self._lynx_move(ReceiverStep.RELEASED)
         self._lynx_call = None
-        return report
+        lynx = self.kv_mgr.lynx
+        if lynx is None or lynx.receiver is None:
+            return None
+        return lynx.receiver.forget(self.bootstrap_room)
 
 
 LYNX_CLASSES: dict[type, type] = {

@@ -3,8 +3,11 @@ the tokens back, refine the prompt KV when the Residual lands, verify the held t
 the decode path, commit the accepted prefix plus the correction.
 
 The hook modules call into the one :class:`SpeculativeDecoder` of the scheduler process
-(``lynx_patches.runtime.current().decoder``); a request's state is a :class:`Speculation`
-the decoder keeps by request id. What to accept, commit and report is decided by
+(``lynx_patches.runtime.current().decoder``); a request's state is one :class:`Speculation`
+record, kept by the request's room (``bootstrap_room``, unique among the live requests of
+a decode server: its receiver refuses a second request for a room in use) and looked up
+for the very request object that holds it, so two live requests that share a client's
+request id never see each other's state. What to accept, commit and report is decided by
 ``lynx.verify`` (:func:`lynx.verify.decide`); this class applies it to SGLang's objects,
 through :mod:`lynx_patches.upstream`. The request's life (``lynx.verify.state``):
 
@@ -93,8 +96,9 @@ _HOLDING = (SpecState.SPECULATIVE, SpecState.PARKED, SpecState.VERIFYING)
 
 @dataclass
 class Speculation:
-    """Lynx's state of one request in speculative mode."""
+    """Lynx's state of one request in speculative mode, from admission to its end."""
 
+    req: Any  # upstream's request, decoding on the Anchor, parked or waiting for its Residual
     room: int
     slots: torch.Tensor  # the prompt's KV slots, where the receiver writes
     prompt_len: int
@@ -113,6 +117,8 @@ class Speculation:
     # Upstream's reasoning-token count after t_0 (upstream.reasoning_state): a commit
     # restores it and counts the committed tokens again.
     reasoning: tuple[Any, ...] = ()
+    # Parked and taken out of every batch: it holds its KV outside upstream's batches.
+    out_of_batch: bool = False
 
     @property
     def sampled(self) -> bool:
@@ -153,15 +159,15 @@ class SpeculativeDecoder:
         self.metrics = metrics
         self.stats = SpeculationStats()
         self.window = WindowEstimator()
-        self._specs: dict[str, Speculation] = {}  # request id -> its speculation, until it ends
-        self._tracked: dict[int, Any] = {}  # room -> request speculating, parked or waiting
-        self._parked: dict[int, Any] = {}  # room -> request out of every batch, holding its KV
+        # room -> the speculation of the request speculating, parked or waiting on it
+        self._speculations: dict[int, Speculation] = {}
         self._draining: set[int] = set()  # rooms whose request ended before the Residual landed
 
     # ---- what the hooks ask ---------------------------------------------------------------
 
     def speculation_of(self, req: Any) -> Speculation | None:
-        return self._specs.get(req.rid)
+        spec = self._speculations.get(upstream.bootstrap_room(req))
+        return spec if spec is not None and spec.req is req else None
 
     def is_speculating(self, req: Any) -> bool:
         """Decoding on Anchor KV right now (its new tokens are held)."""
@@ -192,18 +198,16 @@ class SpeculativeDecoder:
         """Request-pool row -> speculation of a sampled request decoding on the Anchor (its
         draft distributions are kept)."""
         return {
-            upstream.req_pool_row(req): spec
-            for req in self._tracked.values()
-            if (spec := self.speculation_of(req)) is not None
-            and spec.sampled
-            and spec.held.state is SpecState.SPECULATIVE
+            upstream.req_pool_row(spec.req): spec
+            for spec in self._speculations.values()
+            if spec.sampled and spec.held.state is SpecState.SPECULATIVE
         }
 
-    def parked_requests(self) -> Iterable[Any]:
-        return self._parked.values()
+    def parked_requests(self) -> list[Any]:
+        return [spec.req for spec in self._speculations.values() if spec.out_of_batch]
 
     def holds_kv_outside_batches(self) -> bool:
-        return bool(self._parked)
+        return any(spec.out_of_batch for spec in self._speculations.values())
 
     # ---- from the hooks ---------------------------------------------------------------------
 
@@ -220,10 +224,11 @@ class SpeculativeDecoder:
             agreement=self.stats.agreement_rate,
         )
         held = HeldTokens(window, draft_probs=None if sampling.greedy else [])
-        spec = Speculation(room, slots, len(req.origin_input_ids), held, sampling, time.monotonic())
+        # The receiver refuses a second request for a room in use.
+        assert room not in self._speculations, f"room {room} speculates for two requests"
+        spec = Speculation(req, room, slots, len(req.origin_input_ids), held, sampling, time.monotonic())
         spec.reasoning = upstream.reasoning_state(req)
-        self._specs[req.rid] = spec
-        self._tracked[room] = req
+        self._speculations[room] = spec
         self.stats.active += 1
         # A streamed response carries request-level info with its first token only (now);
         # a non-streamed one gets the full report at the end.
@@ -280,9 +285,7 @@ class SpeculativeDecoder:
     def hold_out_of_batch(self, reqs: Iterable[Any]) -> None:
         """``reqs`` (parked) were taken out of the running batch by the caller."""
         for req in reqs:
-            spec = self.speculation_of(req)
-            assert spec is not None
-            self._parked[spec.room] = req
+            self._spec(req).out_of_batch = True
 
     # ---- every scheduler iteration ----------------------------------------------------------
 
@@ -292,7 +295,7 @@ class SpeculativeDecoder:
         commit what every rank refined and fail what any rank failed."""
         if self._draining:
             self._drain()
-        if not self._tracked:
+        if not self._speculations:
             return
         self._take_out_parked(scheduler)
         polled = self._poll_residuals()
@@ -313,11 +316,12 @@ class SpeculativeDecoder:
         """Phase 1: each tracked request with its Residual's verdict on this rank (READY
         once refined here), ending those that finished meanwhile."""
         polled = []
-        for room, req in list(self._tracked.items()):
+        for room, spec in list(self._speculations.items()):
+            req = spec.req
             if req.finished():  # aborted in a batch, or finished on t_0
                 self._end(room, drain=True)
                 continue
-            if room in self._parked and upstream.is_aborting(req):  # aborted while parked
+            if spec.out_of_batch and upstream.is_aborting(req):  # aborted while parked
                 verdict, reason = Verdict.FAIL, None
             else:
                 verdict, reason = self.receiver.residual_verdict(room)
@@ -388,13 +392,13 @@ class SpeculativeDecoder:
         first: its held tokens were never verified, and its receive space and prompt
         slots must not be written after upstream freed them. Parked requests go back to
         the waiting queue, which upstream retracts with the rest."""
-        for room, req in list(self._tracked.items()):
+        for room, spec in list(self._speculations.items()):
+            req = spec.req
             if req.finished():
                 continue
-            spec = self._spec(req)
             self._commit(scheduler, req, 0, None)
             spec.held.move(SpecState.FAILED)
-            parked = room in self._parked
+            parked = spec.out_of_batch
             self.stats.rolled_back += 1
             self._end(room, drain=False)  # its receive space is quarantined until prefill releases it
             if parked:
@@ -402,9 +406,9 @@ class SpeculativeDecoder:
 
     def _take_out_parked(self, scheduler: Any) -> None:
         newly = [
-            req
-            for room, req in self._tracked.items()
-            if room not in self._parked and self._spec(req).held.state is SpecState.PARKED
+            spec.req
+            for spec in self._speculations.values()
+            if not spec.out_of_batch and spec.held.state is SpecState.PARKED
         ]
         if newly:
             upstream.remove_from_batches(scheduler, newly)
@@ -573,10 +577,8 @@ class SpeculativeDecoder:
     # ---- bookkeeping ------------------------------------------------------------------------
 
     def _end(self, room: int, *, drain: bool) -> None:
-        req = self._tracked.pop(room, None)
-        self._parked.pop(room, None)
-        spec = self._specs.pop(req.rid, None) if req is not None else None
-        if req is not None:
+        spec = self._speculations.pop(room, None)
+        if spec is not None:
             self.stats.active -= 1
         if spec is not None and spec.held.draft_probs is not None:
             self.stats.draft_bytes -= spec.draft_bytes

@@ -26,7 +26,7 @@ from lynx.codec import CodecConfig, KVLayout
 from lynx.lanes import BatchState, LaneConfig, Transfer
 from lynx.transfer import Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Upstream, Verdict
 from lynx_patches import upstream
-from lynx_patches.mooncake_connector import LynxKVReceiver, LynxKVSender
+from lynx_patches.mooncake_connector import RECEIVER_STEPS, LynxKVReceiver, LynxKVSender
 
 ROOM = 4242
 PAGES = 6
@@ -87,6 +87,7 @@ def duplicate_room() -> dict:
         "room_status_kept": manager.request_status == {ROOM: KVPoll.WaitingForInput},
         "failure_records": manager.failure_records,
         "abort_sent": not second.abort_notified,
+        "second_step": second.lynx_step.value,  # it never took the room, so never gives it up
     }
 
 
@@ -202,6 +203,9 @@ print(
     + json.dumps(
         {
             "duplicate_room": duplicate_room(),
+            "receiver_steps": {
+                step.value: sorted(later.value for later in after) for step, after in RECEIVER_STEPS.items()
+            },
             "same_length": prefill_sizes_the_room(PAGES),
             "other_length": prefill_sizes_the_room(PAGES + 1),
             "peer_messages": peer_messages(),

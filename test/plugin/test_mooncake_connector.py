@@ -23,6 +23,20 @@ def test_a_duplicate_room_on_decode_fails_only_the_second_request(probe: dict) -
     assert seen["room_status_kept"]
     assert seen["failure_records"] == {}
     assert not seen["abort_sent"]  # an abort for the room would fail the first request on prefill
+    assert seen["second_step"] == "unregistered"
+
+
+def test_the_receivers_lynx_steps_are_pinned(probe: dict) -> None:
+    """A decode request's connector: it takes the room, offers once receive space is free,
+    then decodes in full or starts speculating; every path ends by giving the room up,
+    once (the receiver's own room state is pinned in test_transfer_receive)."""
+    assert probe["receiver_steps"] == {
+        "unregistered": ["waiting_space"],
+        "waiting_space": ["offered", "released"],
+        "offered": ["released", "speculating"],
+        "speculating": ["released"],
+        "released": [],
+    }
 
 
 def test_prefill_answers_the_offer_when_the_request_is_sized(probe: dict) -> None:

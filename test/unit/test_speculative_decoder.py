@@ -46,8 +46,9 @@ class Receiver:
 
 
 class Req:
-    def __init__(self, rid: str, **sampling: Any) -> None:
+    def __init__(self, rid: str, room: int = ROOM, **sampling: Any) -> None:
         self.rid = rid
+        self.bootstrap_room = room
         self.origin_input_ids = list(range(PROMPT))
         self.output_ids = [7]  # t_0, from prefill
         params = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "watermark": None, **sampling}
@@ -305,12 +306,34 @@ def test_usage_counts_only_committed_reasoning_tokens(world: SimpleNamespace) ->
 
 
 def _two_held(world: SimpleNamespace, rid: str, room: int, tokens: tuple[int, ...]) -> Req:
-    req = Req(rid)
+    req = Req(rid, room)
     world.decoder.admit(req, room, torch.arange(PROMPT), VOCAB)
     for token in tokens:
         req.decode_one(world.decoder, token)
     world.receiver.verdicts[room] = (Verdict.READY, None)
     return req
+
+
+def test_two_live_requests_with_one_client_rid_keep_their_own_state(world: SimpleNamespace) -> None:
+    """A request's speculation is found by its room and its own object, never by the rid a
+    client chose: two live requests that share one do not see each other's held tokens."""
+    first = _two_held(world, "same", ROOM, (1, 2))
+    second = _two_held(world, "same", ROOM + 1, (3,))
+    world.receiver.verdicts[ROOM + 1] = (Verdict.WAIT, None)
+    assert world.decoder.speculation_of(first).held.tokens == [1, 2]  # type: ignore[union-attr]
+    assert world.decoder.speculation_of(second).held.tokens == [3]  # type: ignore[union-attr]
+    stranger = Req("same", ROOM)  # the first one's room, another object: none of its state
+    assert world.decoder.speculation_of(stranger) is None and not world.decoder.takes_token(stranger)
+    scheduler = Scheduler([first, second])
+    world.logits.append(choosing(1, 2))
+    world.decoder.step(scheduler)
+    assert first.output_ids == [7, 1, 2] and world.decoder.speculation_of(first) is None
+    assert world.forwarded == [["same"]] and scheduler.running_batch.reqs == [second]
+    assert world.decoder.speculation_of(second).held.tokens == [3]  # type: ignore[union-attr]
+    world.receiver.verdicts[ROOM + 1] = (Verdict.READY, None)
+    world.logits[:] = [choosing(3)]
+    world.decoder.step(scheduler)
+    assert second.output_ids == [7, 3] and world.decoder.stats.active == 0
 
 
 def test_a_bad_draft_fails_its_own_request_only(world: SimpleNamespace) -> None:
@@ -342,7 +365,7 @@ def test_a_failed_verify_forward_fails_its_requests_and_not_the_server(world: Si
 def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -> None:
     row = VOCAB * 4
     world.decoder.draft_memory_bytes = 3 * row  # room for three held sampled tokens in all
-    first, second = Req("s1", top_k=VOCAB), Req("s2", top_k=VOCAB)
+    first, second = Req("s1", top_k=VOCAB), Req("s2", ROOM + 1, top_k=VOCAB)
     world.decoder.admit(first, ROOM, torch.arange(PROMPT), VOCAB)
     world.decoder.admit(second, ROOM + 1, torch.arange(PROMPT), VOCAB)
     specs = [world.decoder.speculation_of(r) for r in (first, second)]
@@ -353,7 +376,7 @@ def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -
     stats = world.decoder.stats
     assert stats.draft_bytes == stats.draft_bytes_peak == 3 * row
     assert specs[1] is not None and specs[1].held.park_reason is ParkReason.DRAFT_MEMORY
-    third = Req("s3", top_k=VOCAB)
+    third = Req("s3", ROOM + 2, top_k=VOCAB)
     world.decoder.admit(third, ROOM + 2, torch.arange(PROMPT), VOCAB)  # no room for its first draft
     spec3 = world.decoder.speculation_of(third)
     assert spec3 is not None and spec3.held.park_reason is ParkReason.DRAFT_MEMORY
@@ -364,7 +387,7 @@ def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -
 
 
 def test_a_retracting_pause_rolls_speculation_back_first(world: SimpleNamespace) -> None:
-    running, parked = Req("running"), Req("parked")
+    running, parked = Req("running"), Req("parked", ROOM + 1)
     world.decoder.admit(running, ROOM, torch.arange(PROMPT), VOCAB)
     world.decoder.admit(parked, ROOM + 1, torch.arange(PROMPT), VOCAB)
     running.decode_one(world.decoder, 1)

@@ -57,6 +57,7 @@ from lynx_patches.upstream.contract import (
 from lynx_patches.upstream.requests import (
     abort_with,
     append_output,
+    bootstrap_room,
     clear_finish,
     first_stream_chunk,
     is_aborting,
@@ -115,6 +116,7 @@ __all__ = [
     "aborted_room",
     "append_output",
     "batch_without",
+    "bootstrap_room",
     "clear_finish",
     "contract_violations",
     "control_endpoint",

@@ -37,6 +37,7 @@ _REASONING_FIELDS = (
 RELIED: tuple[Relied, ...] = (
     # Requests: what Lynx reads, and the fields it writes through this module.
     attribute(REQ, "rid"),
+    attribute(REQ, "bootstrap_room"),
     attribute(REQ, "origin_input_ids"),
     attribute(REQ, "output_ids"),
     attribute(REQ, "sampling_params"),
@@ -262,6 +263,11 @@ def append_output(req: Any, token: int) -> None:
 
 def kv_allocated_len(req: Any) -> int:
     return int(req.kv.kv_allocated_len)
+
+
+def bootstrap_room(req: Any) -> int | None:
+    """The room of the request's PD transfer (None outside PD)."""
+    return req.bootstrap_room
 
 
 def req_pool_row(req: Any) -> int:
