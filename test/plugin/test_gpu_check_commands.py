@@ -1,6 +1,6 @@
-"""The server command lines of ``lynx.tools.gpu_check``'s pd step, parsed by upstream's own
-parser with the Lynx plugin loaded (no GPU needed to parse them), so a flag typo fails here
-and not on the CUDA host the check was prepared for."""
+"""The server command lines of the GPU check's pd step (``lynx.tools.gpu_check.pd_step``),
+parsed by upstream's own parser with the Lynx plugin loaded (no GPU needed to parse them),
+so a flag typo fails here and not on the CUDA host the check was prepared for."""
 
 from __future__ import annotations
 

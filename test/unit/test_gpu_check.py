@@ -20,14 +20,16 @@ import pytest
 import torch
 
 from lynx.codec import CodecConfig, KVLayout
-from lynx.tools import codec_bench, gpu_check
+from lynx.tools import codec_bench
 from lynx.tools.gpu_check import (
     STEPS,
     Answer,
+    Context,
     Peak,
     StepResult,
     TransferUnavailable,
     compare_outputs,
+    compare_paths,
     evaluate_pd,
     fraction_text,
     main,
@@ -36,6 +38,7 @@ from lynx.tools.gpu_check import (
     peak_bandwidth,
     pytest_outcome,
     resolve_transfer,
+    runner,
     server_commands,
 )
 
@@ -59,7 +62,7 @@ def test_plan_describes_every_step_as_json_without_touching_cuda(
 ) -> None:
     for name in ("is_available", "device_count", "get_device_name", "get_device_properties", "init"):
         monkeypatch.setattr(torch.cuda, name, _no_cuda_please)
-    monkeypatch.setattr(gpu_check, "cuda_device", _no_cuda_please)
+    monkeypatch.setattr(runner, "cuda_device", _no_cuda_please)
     out = tmp_path / "deep" / "plan.json"
     assert main(["--plan", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -178,23 +181,23 @@ def test_a_step_that_raises_fails_alone_and_a_spent_budget_skips_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The runner's bookkeeping, with the device and the steps replaced: no real step runs.
-    monkeypatch.setattr(gpu_check, "cuda_device", lambda: {"name": "NVIDIA H200"})
+    monkeypatch.setattr(runner, "cuda_device", lambda: {"name": "NVIDIA H200"})
     # The check unsets it (its kernels must not run in the interpreter); monkeypatch puts
     # back this process's value, which test_codec_triton.py may have set.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
-    def raises(ctx: gpu_check.Context) -> StepResult:
+    def raises(ctx: Context) -> StepResult:
         raise RuntimeError("kernel launch failed\nsecond line")
 
-    def passes_slowly(ctx: gpu_check.Context) -> StepResult:
+    def passes_slowly(ctx: Context) -> StepResult:
         time.sleep(1.2)  # past the 1 s budget: the next step must not start
         return StepResult("bytes", "ok", "fine")
 
-    registry = dict(gpu_check.REGISTRY)
+    registry = dict(runner.REGISTRY)
     registry["codec"] = dataclasses.replace(registry["codec"], run=raises)
     registry["bytes"] = dataclasses.replace(registry["bytes"], run=passes_slowly)
     registry["pd"] = dataclasses.replace(registry["pd"], run=_no_cuda_please)
-    monkeypatch.setattr(gpu_check, "REGISTRY", registry)
+    monkeypatch.setattr(runner, "REGISTRY", registry)
     out = tmp_path / "report.json"
     assert main(["--steps", "codec,bytes,pd", "--budget-s", "1", "--out", str(out)]) == 1
     assert "TRITON_INTERPRET" not in os.environ
@@ -372,7 +375,7 @@ def test_segment_digests_tell_paths_and_inputs_apart() -> None:
     assert first == again
     assert codec_bench.differing_parts(first, other_seed) == list(codec_bench.DIGEST_PARTS)
     assert "anchor" in codec_bench.differing_parts(first, two_bit)
-    assert gpu_check.compare_paths({"cpu-torch": first, "x": again, "y": two_bit})["x"] == []
+    assert compare_paths({"cpu-torch": first, "x": again, "y": two_bit})["x"] == []
     assert os.environ.get("LYNX_CODEC_BACKEND") is None  # restored
 
 
@@ -387,7 +390,7 @@ def test_the_cpp_codec_writes_the_references_bytes() -> None:
         for path, backend in (("cpu-torch", "reference"), ("cpu-cpp", "cpp")):
             with codec_bench.cpu_backend(backend):
                 digests[path] = codec_bench.make_segment(layout, 40, config, "cpu").digests()
-        assert gpu_check.compare_paths(digests) == {"cpu-cpp": []}, name
+        assert compare_paths(digests) == {"cpu-cpp": []}, name
 
 
 # ---- scripts/gpu_check.sh --------------------------------------------------------------

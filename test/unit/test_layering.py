@@ -40,18 +40,18 @@ def test_the_check_sees_a_lazy_import(tmp_path: Path) -> None:
 GLUE = CORE.parent / "lynx_patches"
 
 
-def _glue_imports(path: Path) -> set[str]:
-    """The ``lynx_patches`` modules and packages ``path`` imports, at its top or inside a
-    function (``from lynx_patches.x import y`` counts ``lynx_patches.x`` and, where it is a
-    module, ``lynx_patches.x.y``)."""
+def _package_imports(path: Path, package: str) -> set[str]:
+    """The modules and packages of ``package`` that ``path`` imports, at its top or inside a
+    function (for ``lynx_patches``: ``from lynx_patches.x import y`` counts ``lynx_patches.x``
+    and, where it is a module, ``lynx_patches.x.y``)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.startswith("lynx_patches"):
+            if node.module.startswith(package):
                 names.add(node.module)
                 names.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names if alias.name.startswith("lynx_patches."))
+            names.update(alias.name for alias in node.names if alias.name.startswith(f"{package}."))
     return names
 
 
@@ -89,9 +89,31 @@ def test_the_glue_modules_import_one_another_without_a_cycle() -> None:
         if path != GLUE / "__init__.py" and "_cpu_shims" not in path.parts
     ]
     modules = {_module_name(path): path for path in paths}
-    graph = {name: _glue_imports(path) & (set(modules) - {name}) for name, path in modules.items()}
+    graph = {
+        name: _package_imports(path, "lynx_patches") & (set(modules) - {name})
+        for name, path in modules.items()
+    }
     assert len(graph) > 20 and "lynx_patches.upstream.verify_forward" in graph
     assert _cycle(graph) is None, f"import cycle among the glue modules: {' -> '.join(_cycle(graph) or [])}"
+
+
+GPU_CHECK = CORE / "tools" / "gpu_check"
+
+
+def test_the_gpu_check_steps_import_none_of_each_other() -> None:
+    # A step imports what the steps share (common, options, device), never another step;
+    # the runner imports the steps, and the package's __init__ re-exports from them all.
+    paths = [path for path in sorted(GPU_CHECK.glob("*.py")) if path.stem not in ("__init__", "__main__")]
+    modules = {_module_name(path): path for path in paths}
+    graph = {
+        name: _package_imports(path, "lynx.tools.gpu_check") & (set(modules) - {name})
+        for name, path in modules.items()
+    }
+    steps = {name for name in modules if name.endswith("_step")}
+    assert len(steps) == 4 and graph["lynx.tools.gpu_check.runner"] >= steps
+    for step in sorted(steps):
+        assert not graph[step] & steps, f"{step} imports another step: {sorted(graph[step] & steps)}"
+    assert _cycle(graph) is None, f"import cycle in the GPU check: {' -> '.join(_cycle(graph) or [])}"
 
 
 def test_the_cycle_check_finds_a_loop() -> None:

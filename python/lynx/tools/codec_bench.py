@@ -1,7 +1,8 @@
-"""What ``benchmark/codec.py`` and ``lynx.tools.gpu_check`` share to measure the codec and
-to compare its paths byte for byte: the codec modes, a seeded SGLang-style KV pool segment
-(per layer K and V buffers of (rows, heads, head_dim), token slots scattered over twice as
-many rows), the median timer, the CPU path switch and SHA-256 digests of what a path wrote.
+"""What ``benchmark/codec.py`` and the GPU check's bytes and throughput steps
+(``lynx.tools.gpu_check``) share to measure the codec and to compare its paths byte for
+byte: the codec modes, a seeded SGLang-style KV pool segment (per layer K and V buffers of
+(rows, heads, head_dim), token slots scattered over twice as many rows), the median timer,
+the CPU path switch and SHA-256 digests of what a path wrote.
 
 The same seed gives the same pool on every device, so two paths wrote the same bytes when
 their digests agree.
