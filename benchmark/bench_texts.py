@@ -80,6 +80,14 @@ def fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def resolved_dtype(dtype: str) -> str:
+    """``--dtype auto`` made explicit: BF16 arithmetic where the host has fast BF16, else
+    :data:`PROXY_DTYPE`; any other choice as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if fast_bf16() else PROXY_DTYPE
+
+
 def dtype_args(dtype: str) -> list[str]:
     """The server flags for ``--dtype``."""
     if dtype == PROXY_DTYPE:

@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,19 @@ class Pair:
         args: argparse.Namespace,
         log_dir: Path,
         decode_flags: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """``env``: more environment for both servers (e.g. ``PYTHONPATH``)."""
         self.bootstrap_port = free_port()
         common = ["--disable-radix-cache", "--chunked-prefill-size", str(args.chunk), *dtype_args(args.dtype)]
         pd = ["--disaggregation-transfer-backend", "mooncake_tcp"]
         self.servers = {}
         for side in ("prefill", "decode"):
             config = ServerConfig(
-                model_path=args.model, max_total_tokens=args.max_total_tokens, extra_args=common
+                model_path=args.model,
+                max_total_tokens=args.max_total_tokens,
+                extra_args=common,
+                env=dict(env or {}),
             )
             if args.link:
                 config = SIDES[side].configure(config)
@@ -142,6 +148,13 @@ class Pair:
         return answer, time.perf_counter() - start
 
 
+def final_report(answer: dict) -> dict | None:
+    """Lynx's final transfer report of a request (``meta_info["lynx_transfer"]``: a
+    stream's last chunk ends with it), None without Lynx."""
+    reports = answer["meta_info"].get("lynx_transfer")
+    return reports[-1] if reports else None
+
+
 def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: dict[int, list[str]]) -> dict:
     log_dir = args.out / "logs"
     result: dict[str, Any] = {"outputs": [], "times": {}, "bytes_per_token": None, "speculation": []}
@@ -152,9 +165,8 @@ def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: 
             for prompt in prompts:
                 answer, times = pair.stream(prompt, args.marks)
                 runs.append(times)
-                reports = answer["meta_info"].get("lynx_transfer")
-                if reports:
-                    final = reports[-1]  # a stream's last chunk ends with the final report
+                final = final_report(answer)
+                if final:
                     n = answer["meta_info"]["prompt_tokens"]
                     result["bytes_per_token"] = (final["anchor_bytes"] + final["residual_bytes"]) / n
                     if "speculation" in final:
@@ -199,8 +211,17 @@ def plot(results: dict, contexts: list[int], link: str, marks: list[int], path: 
 
     panels = [1, *marks]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4))
+    draw_medians(axes, results, contexts, marks)
+    fig.suptitle(f"PD serving, {args_model_name(results)} on 2 CPU cores, {link} link (medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def draw_medians(axes: Any, results: dict, contexts: list[int], marks: list[int]) -> None:
+    """On ``axes`` (one per panel: TTFT, then each of ``marks``), per context one bar per
+    entry of ``results`` (labelled by its key): the median of its ``times[context][n]``."""
     width = 0.8 / len(results)
-    for ax, n in zip(axes, panels, strict=True):
+    for ax, n in zip(axes, [1, *marks], strict=True):
         for i, (name, res) in enumerate(results.items()):
             medians = [statistics.median(res["times"][c][n]) for c in contexts]
             ax.bar([j + i * width for j in range(len(contexts))], medians, width, label=name)
@@ -210,28 +231,30 @@ def plot(results: dict, contexts: list[int], link: str, marks: list[int], path: 
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT (s)" if n == 1 else f"time to token {n} (s)")
         ax.legend()
-    fig.suptitle(f"PD serving, {args_model_name(results)} on 2 CPU cores, {link} link (medians)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def args_model_name(results: dict) -> str:
     return next(iter(results.values())).get("model", "")
 
 
-def main() -> None:
-    parser = benchmark_parser(__doc__)
+def add_pair_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the timed requests and of the servers' :class:`Pair`."""
     parser.add_argument("--link", default="", help="tbf rate between prefill and decode, e.g. 20mbit")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=20)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--gen", type=int, default=32)
     parser.add_argument(
         "--marks", type=int, nargs="+", default=[32], help="timed requests report when these tokens streamed"
     )
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    add_pair_options(parser)
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--gen", type=int, default=32)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/pd_transfer")
     args = parser.parse_args()

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_texts import PROXY_DTYPE, fast_bf16, fetch_texts
+from bench_texts import PROXY_DTYPE, fetch_texts, resolved_dtype
 from pd_transfer import TEXTS, Pair, agreement_of, bf16_bytes_per_token, prompts_from
 from transformers import AutoTokenizer
 
@@ -622,8 +622,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "bf16" not in args.configs:
         parser.error("--configs must include bf16: every figure is compared with plain BF16 PD")
     args.configs = [c for c in CONFIGS if c in args.configs]  # bf16 first: the reference
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if fast_bf16() else PROXY_DTYPE
+    args.dtype = resolved_dtype(args.dtype)
     return args
 
 
