@@ -415,6 +415,41 @@ def test_greedy_samples_through_lynx_each_equal_plain_pds_answer(
     wait_decodes_idle(servers["pd"], idle_decodes)
 
 
+def test_two_live_requests_with_one_rid_each_get_their_answer_or_a_clear_refusal(
+    servers: dict, idle_decodes: list[int]
+) -> None:
+    """Two clients send one request id at once, both held on their Anchors. Lynx keeps a
+    request's state by its room, never by the client's id; upstream's tokenizer refuses a
+    second live request with an id it is serving (HTTP 400) on either server. Every client
+    gets the exact answer or that refusal, never a 500 or a hang, and decode comes back
+    idle."""
+    cluster = servers["pd"]
+    expected = generate(servers["plugin"].url, PROMPTS[3])["output_ids"]
+    body = {
+        "text": PROMPTS[3],
+        "rid": "one-rid-for-two",
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+    }
+    outcomes: list[dict | tuple[int, str]] = []
+
+    def one() -> None:
+        try:
+            outcomes.append(http_json(cluster.url + "/generate", body))
+        except urllib.error.HTTPError as exc:
+            outcomes.append((exc.code, exc.read().decode(errors="replace")))
+
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(2):
+            pool.submit(one)
+    print("outcomes:", [o if isinstance(o, tuple) else "answered" for o in outcomes])
+    answered = [o for o in outcomes if isinstance(o, dict)]
+    refused = [o for o in outcomes if isinstance(o, tuple)]
+    assert len(outcomes) == 2 and answered, refused
+    assert all(a["output_ids"] == expected for a in answered)
+    assert all(400 <= code < 500 and "Duplicate request ID" in text for code, text in refused), refused
+    wait_decodes_idle(cluster, idle_decodes)
+
+
 def test_a_killed_prefill_fails_only_its_own_requests(servers: dict, idle_decodes: list[int]) -> None:
     """Runs last: it kills the second prefill server while it has Lynx transfers in
     flight. On decode those requests fail alone, with a clear error, at the transfer
