@@ -47,6 +47,8 @@ from lynx.tools.cluster import (
     free_port,
     pd_body,
     pd_generate,
+    start_together,
+    stop_together,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,13 +114,13 @@ class Pair:
             )
 
     def __enter__(self) -> Pair:
-        for server in self.servers.values():
-            server.start(timeout_s=1200)
+        # Together: each start is minutes of imports on a 2-core host, and decode waits for
+        # no prefill at start (they meet per request, through the bootstrap server).
+        start_together(list(self.servers.values()), timeout_s=1200)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for server in self.servers.values():
-            server.stop()
+        stop_together(list(self.servers.values()))
 
     def _generate(self, prompt: str, max_new_tokens: int, on_chunk: Any = None) -> dict:
         prefill = self.servers["prefill"].url
@@ -153,6 +155,32 @@ def final_report(answer: dict) -> dict | None:
     stream's last chunk ends with it), None without Lynx."""
     reports = answer["meta_info"].get("lynx_transfer")
     return reports[-1] if reports else None
+
+
+def measure(pair: Pair, prompts: dict[int, list[str]], marks: list[int], round_: int) -> list[dict[str, Any]]:
+    """A warm-up request, then each prompt once, streamed: one record per request."""
+    pair.generate("warm up", 2)
+    runs = []
+    for context, texts in prompts.items():
+        for index, text in enumerate(texts):
+            answer, times = pair.stream(text, marks)
+            report = final_report(answer)
+            runs.append(
+                {
+                    "round": round_,
+                    "context": context,
+                    "prompt": index,
+                    "times": times,
+                    "kv_bytes": report["anchor_bytes"] + report["residual_bytes"] if report else None,
+                    "output_ids": answer["output_ids"],
+                    "report": report,
+                }
+            )
+    return runs
+
+
+def median_of(runs: list[dict[str, Any]], context: int, n: int) -> float:
+    return statistics.median(r["times"][n] for r in runs if r["context"] == context)
 
 
 def run_config(name: str, args: argparse.Namespace, agreement: list[str], ttft: dict[int, list[str]]) -> dict:
@@ -237,15 +265,17 @@ def args_model_name(results: dict) -> str:
     return next(iter(results.values())).get("model", "")
 
 
-def add_pair_options(parser: argparse.ArgumentParser) -> None:
-    """The options of the timed requests and of the servers' :class:`Pair`."""
+def add_pair_options(parser: argparse.ArgumentParser, *, chunk: bool = True) -> None:
+    """The options of the timed requests and of the servers' :class:`Pair` (``chunk``:
+    with ``--chunk``; a caller that sweeps the size sets ``args.chunk`` itself)."""
     parser.add_argument("--link", default="", help="tbf rate between prefill and decode, e.g. 20mbit")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--marks", type=int, nargs="+", default=[32], help="timed requests report when these tokens streamed"
     )
-    parser.add_argument("--chunk", type=int, default=2048)
+    if chunk:
+        parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
 
 

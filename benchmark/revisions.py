@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_texts import benchmark_parser, fetch_texts, resolved_dtype
-from pd_transfer import CONFIGS, Pair, add_pair_options, draw_medians, final_report, prompts_from
+from pd_transfer import CONFIGS, Pair, add_pair_options, draw_medians, measure, median_of, prompts_from
 from transformers import AutoTokenizer
 
 from lynx.tools import netlink
@@ -202,32 +202,6 @@ def schedule(revisions: list[Revision], rounds: int) -> list[tuple[int, Revision
     """(round, revision) in the order they run: the revisions in order, then reversed,
     alternately (two revisions, two rounds: ABBA)."""
     return [(r, rev) for r in range(rounds) for rev in (revisions if r % 2 == 0 else revisions[::-1])]
-
-
-def measure(pair: Pair, prompts: dict[int, list[str]], marks: list[int], round_: int) -> list[dict[str, Any]]:
-    """A warm-up request, then each prompt once, streamed: one record per request."""
-    pair.generate("warm up", 2)
-    runs = []
-    for context, texts in prompts.items():
-        for index, text in enumerate(texts):
-            answer, times = pair.stream(text, marks)
-            report = final_report(answer)
-            runs.append(
-                {
-                    "round": round_,
-                    "context": context,
-                    "prompt": index,
-                    "times": times,
-                    "kv_bytes": report["anchor_bytes"] + report["residual_bytes"] if report else None,
-                    "output_ids": answer["output_ids"],
-                    "report": report,
-                }
-            )
-    return runs
-
-
-def median_of(runs: list[dict[str, Any]], context: int, n: int) -> float:
-    return statistics.median(r["times"][n] for r in runs if r["context"] == context)
 
 
 def compare(
