@@ -5,9 +5,11 @@ Lynx relies on is a named function of this package, one module per topic
 (:mod:`~lynx_patches.upstream.connector`, :mod:`~lynx_patches.upstream.requests`,
 :mod:`~lynx_patches.upstream.scheduler`, :mod:`~lynx_patches.upstream.verify_forward`);
 the rest of ``lynx_patches`` calls them as ``upstream.<name>`` and reads only the public
-request and batch fields the contract lists. Each topic module declares, beside its
-functions, the upstream names they rely on (its ``RELIED``); :data:`CONTRACT` is their
-union, with the launcher-level names of :mod:`~lynx_patches.upstream.contract`.
+request and batch fields the contract lists. Each accessor declares on itself the
+upstream names it touches (``@relies``), each topic module in its ``RELIED`` the methods
+Lynx's hooks wrap or its subclasses override and the fields hook modules read;
+:data:`CONTRACT` is the union of all of them with the launcher-level names of
+:mod:`~lynx_patches.upstream.contract`.
 ``test/plugin/test_upstream_contract.py`` checks every entry (and the metadata frame
 layout) against the installed SGLang, so an upgrade that moves one fails a test naming it
 instead of a request at run time; ``test/unit/test_boundary_contract.py`` reads the
@@ -53,6 +55,7 @@ from lynx_patches.upstream.connector import (
 from lynx_patches.upstream.contract import (
     Relied,
     contract_violations,
+    declared_in,
 )
 from lynx_patches.upstream.requests import (
     abort_with,
@@ -100,12 +103,18 @@ from lynx_patches.upstream.verify_forward import (
     run_verify_forward,
 )
 
-CONTRACT: tuple[Relied, ...] = (
-    *contract.RELIED,
-    *connector.RELIED,
-    *requests.RELIED,
-    *scheduler.RELIED,
-    *verify_forward.RELIED,
+# Every name declared once, however many accessors declare it.
+CONTRACT: tuple[Relied, ...] = tuple(
+    dict.fromkeys(
+        [
+            *contract.RELIED,
+            *(
+                relied
+                for topic in (connector, requests, scheduler, verify_forward)
+                for relied in declared_in(topic)
+            ),
+        ]
+    )
 )
 
 __all__ = [

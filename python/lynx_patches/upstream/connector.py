@@ -8,7 +8,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from lynx.transfer import Upstream
-from lynx_patches.upstream.contract import BASE_CONN, COMMON_CONN, CONN, Relied, attribute, method
+from lynx_patches.upstream.contract import (
+    BASE_CONN,
+    COMMON_CONN,
+    CONN,
+    SCHEDULER,
+    Relied,
+    attribute,
+    method,
+    relies,
+)
 
 _MANAGER = f"{CONN}.MooncakeKVManager"
 _RECEIVER = f"{CONN}.MooncakeKVReceiver"
@@ -18,58 +27,23 @@ _TRANSFER_ENGINE = (
 )
 
 RELIED: tuple[Relied, ...] = (
-    # Mooncake connector: what Lynx's subclasses read, call and override.
-    Relied(BASE_CONN, "KVPoll", "class"),
-    Relied(f"{BASE_CONN}.KVPoll", "Success", "member"),
-    Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
+    # What the accessors below do not declare themselves: the upstream methods Lynx's
+    # subclasses of the manager, sender and receiver override or call on themselves, the
+    # handlers its guard reads ahead of upstream's thread, and the fields those
+    # subclasses read.
     Relied(f"{BASE_CONN}.KVPoll", "Transferring", "member"),
     Relied(f"{BASE_CONN}.KVPoll", "WaitingForInput", "member"),
-    Relied(COMMON_CONN, "ABORT_TAG", "member"),
-    Relied(COMMON_CONN, "AbortNotification", "class"),
-    Relied(COMMON_CONN, "KVTransferError", "class"),
-    method(f"{COMMON_CONN}.AbortNotification", "from_zmq", "msg"),
-    attribute(f"{COMMON_CONN}.AbortNotification", "room"),
-    Relied("sglang.srt.utils.network", "NetworkAddress", "class"),
-    method("sglang.srt.utils.network.NetworkAddress", "to_tcp"),
-    method("sglang.srt.utils.network.NetworkAddress", "is_ipv6"),
-    attribute(f"{CONN}.TransferInfo", "is_dummy"),
-    # What upstream's control threads read, checked ahead by unreadable_peer_message.
-    method(f"{CONN}.TransferInfo", "from_zmq", "msg"),
-    method(f"{CONN}.KVArgsRegisterInfo", "from_zmq", "msg"),
     method(_MANAGER, "start_prefill_thread"),
     method(_MANAGER, "start_decode_thread"),
     method(_MANAGER, "_handle_aux_data", "msg"),
-    attribute(_MANAGER, "_staging_ctx"),
     Relied("sglang.srt.disaggregation.common.staging_handler", "handle_watermark_msg", "function"),
     Relied("sglang.srt.disaggregation.common.staging_handler", "handle_staging_rsp", "function"),
-    attribute(f"{BASE_CONN}.KVArgs", "page_size"),
-    attribute(f"{BASE_CONN}.KVArgs", "engine_rank"),
-    Relied("sglang.srt.disaggregation.utils", "DisaggregationMode", "class"),
-    Relied("sglang.srt.disaggregation.utils.DisaggregationMode", "PREFILL", "member"),
     method(_MANAGER, "__init__", "args", "disaggregation_mode", "server_args", "is_mla_backend"),
     method(_MANAGER, "_make_worker_recv", "socket", "timeout_ms"),
-    attribute(f"{COMMON_CONN}.CommonKVManager", "local_ip"),
-    attribute(f"{COMMON_CONN}.CommonKVManager", "rank_port"),
-    method(_MANAGER, "_send_multipart_locked", "endpoint", "parts", "is_ipv6"),
     method(_MANAGER, "_handle_abort_notification", "msg"),
     method(_MANAGER, "_handle_node_failure", "failed_bootstrap_addr"),
     method(_MANAGER, "add_transfer_request", "bootstrap_room", "kv_indices", "index_slice", "is_last_chunk"),
-    method(_MANAGER, "build_receiver_metadata_message", "bootstrap_room", "is_dummy"),
-    method(_MANAGER, "check_status", "bootstrap_room"),
-    method(_MANAGER, "conclude_failure", "bootstrap_room", "failure_reason"),
-    method(_MANAGER, "record_failure", "bootstrap_room", "failure_reason"),
-    method(_MANAGER, "update_status", "bootstrap_room", "status"),
     method(_MANAGER, "teardown"),
-    attribute(_MANAGER, "request_status"),
-    attribute(_MANAGER, "transfer_infos"),
-    attribute(_MANAGER, "engine"),
-    attribute(_MANAGER, "kv_args"),
-    attribute(_MANAGER, "server_args"),
-    attribute(_MANAGER, "disaggregation_mode"),
-    attribute(_MANAGER, "is_mla_backend"),
-    method(_TRANSFER_ENGINE, "get_session_id"),
-    method(_TRANSFER_ENGINE, "register", "ptr", "length"),
-    attribute(_TRANSFER_ENGINE, "engine"),
     method(_SENDER, "__init__", "mgr", "bootstrap_addr", "bootstrap_room"),
     attribute(_SENDER, "supports_host_tensor_indices"),
     method(_SENDER, "init", "num_kv_indices", "aux_index"),
@@ -83,16 +57,8 @@ RELIED: tuple[Relied, ...] = (
     method(_RECEIVER, "clear"),
     method(_RECEIVER, "ensure_abort_notified", "force_arm"),
     method(_RECEIVER, "failure_exception"),
-    attribute(_RECEIVER, "_owns_bootstrap_room"),
-    attribute(_RECEIVER, "abort_notified"),
-    attribute(_RECEIVER, "kv_mgr"),
-    attribute(_RECEIVER, "bootstrap_room"),
     attribute(_RECEIVER, "bootstrap_addr"),
-    attribute(_RECEIVER, "conclude_state"),
-    attribute(_RECEIVER, "prefill_info"),
     attribute(f"{COMMON_CONN}.PrefillServerInfo", "attn_tp_size"),
-    attribute(f"{COMMON_CONN}.CommonKVManager", "attn_tp_size"),
-    Relied("sglang.srt.disaggregation.utils", "all_reduce_flags", "function"),
 )
 
 
@@ -146,6 +112,12 @@ _READ_BY_HANDLER = {
 }
 
 
+@relies(
+    Relied(COMMON_CONN, "ABORT_TAG", "member"),
+    method(f"{CONN}.TransferInfo", "from_zmq", "msg"),
+    method(f"{CONN}.KVArgsRegisterInfo", "from_zmq", "msg"),
+    attribute(_MANAGER, "_staging_ctx"),
+)
 def unreadable_peer_message(manager: Any, frames: Sequence[bytes]) -> str | None:
     """Why upstream's thread on this server's control socket would raise on a peer's
     message ``frames``; None if it reads it.
@@ -187,6 +159,12 @@ def unreadable_peer_message(manager: Any, frames: Sequence[bytes]) -> str | None
     return None
 
 
+@relies(
+    Relied(COMMON_CONN, "ABORT_TAG", "member"),
+    Relied(COMMON_CONN, "AbortNotification", "class"),
+    method(f"{COMMON_CONN}.AbortNotification", "from_zmq", "msg"),
+    attribute(f"{COMMON_CONN}.AbortNotification", "room"),
+)
 def aborted_room(msg: Sequence[bytes]) -> int | None:
     """The room of decode's abort notification, or None if ``msg`` is not one."""
     from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
@@ -197,6 +175,11 @@ def aborted_room(msg: Sequence[bytes]) -> int | None:
     return None if notification is None else int(notification.room)
 
 
+@relies(
+    Relied(BASE_CONN, "KVPoll", "class"),
+    Relied(f"{BASE_CONN}.KVPoll", "Success", "member"),
+    Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
+)
 def upstream_status(status: int) -> Upstream:
     """Upstream's ``KVPoll`` reduced to what Lynx's receive state needs."""
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -208,6 +191,14 @@ def upstream_status(status: int) -> Upstream:
     return Upstream.PENDING
 
 
+@relies(
+    Relied(BASE_CONN, "KVPoll", "class"),
+    Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
+    attribute(f"{CONN}.TransferInfo", "is_dummy"),
+    method(_MANAGER, "check_status", "bootstrap_room"),
+    attribute(_MANAGER, "request_status"),
+    attribute(_MANAGER, "transfer_infos"),
+)
 def room_is_live(manager: Any, room: int) -> bool:
     """Prefill: the request is known, not failed, and has a real (non-dummy) decode rank."""
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -219,17 +210,32 @@ def room_is_live(manager: Any, room: int) -> bool:
     )
 
 
+@relies(
+    Relied(BASE_CONN, "KVPoll", "class"),
+    Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
+    attribute(_MANAGER, "request_status"),
+)
 def room_failed(manager: Any, room: int) -> bool:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     return manager.request_status.get(room) == KVPoll.Failed
 
 
+@relies(method(_MANAGER, "conclude_failure", "bootstrap_room", "failure_reason"))
 def fail_room(manager: Any, room: int, reason: str) -> None:
     """Fail the request on this side; upstream tells the peer (with the reason)."""
     manager.conclude_failure(bootstrap_room=room, failure_reason=reason)
 
 
+@relies(
+    Relied(BASE_CONN, "KVPoll", "class"),
+    Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
+    method(_MANAGER, "record_failure", "bootstrap_room", "failure_reason"),
+    method(_MANAGER, "update_status", "bootstrap_room", "status"),
+    attribute(_RECEIVER, "kv_mgr"),
+    attribute(_RECEIVER, "bootstrap_room"),
+    attribute(_RECEIVER, "conclude_state"),
+)
 def fail_receiver(receiver: Any, reason: str) -> None:
     """Decode: fail the receiver's request now, with ``reason`` for the client."""
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -239,6 +245,13 @@ def fail_receiver(receiver: Any, reason: str) -> None:
     receiver.conclude_state = KVPoll.Failed
 
 
+@relies(
+    Relied(BASE_CONN, "KVPoll", "class"),
+    Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
+    attribute(_RECEIVER, "_owns_bootstrap_room"),
+    attribute(_RECEIVER, "abort_notified"),
+    attribute(_RECEIVER, "conclude_state"),
+)
 def fail_receiver_alone(receiver: Any) -> None:
     """Decode: fail the receiver's request without touching its room's state, which is
     another request's (status, failure record, prefill's side): the receiver gives the
@@ -252,6 +265,10 @@ def fail_receiver_alone(receiver: Any) -> None:
     receiver.conclude_state = KVPoll.Failed
 
 
+@relies(
+    Relied(COMMON_CONN, "KVTransferError", "class"),
+    attribute(_RECEIVER, "bootstrap_room"),
+)
 def receiver_failure(receiver: Any, reason: str) -> Exception:
     """What a failed receiver's ``failure_exception`` raises: the request fails with ``reason``."""
     from sglang.srt.disaggregation.common.conn import KVTransferError
@@ -259,6 +276,12 @@ def receiver_failure(receiver: Any, reason: str) -> Exception:
     return KVTransferError(receiver.bootstrap_room, reason)
 
 
+@relies(
+    Relied("sglang.srt.utils.network", "NetworkAddress", "class"),
+    method("sglang.srt.utils.network.NetworkAddress", "to_tcp"),
+    method("sglang.srt.utils.network.NetworkAddress", "is_ipv6"),
+    method(_MANAGER, "_send_multipart_locked", "endpoint", "parts", "is_ipv6"),
+)
 def send_to_peer(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -> None:
     """Send ``frames`` on upstream's ZMQ socket to a peer's control endpoint."""
     from sglang.srt.utils.network import NetworkAddress
@@ -267,39 +290,60 @@ def send_to_peer(manager: Any, endpoint: tuple[str, int], frames: list[bytes]) -
     manager._send_multipart_locked(address.to_tcp(), frames, is_ipv6=address.is_ipv6)
 
 
+@relies(
+    attribute(_MANAGER, "engine"),
+    method(_TRANSFER_ENGINE, "get_session_id"),
+    attribute(_TRANSFER_ENGINE, "engine"),
+)
 def manager_transfer_engine(manager: Any) -> tuple[Any, str]:
     """(the Mooncake ``TransferEngine``, this server's session id)."""
     return manager.engine.engine, manager.engine.get_session_id()
 
 
+@relies(
+    attribute(f"{COMMON_CONN}.CommonKVManager", "local_ip"),
+    attribute(f"{COMMON_CONN}.CommonKVManager", "rank_port"),
+)
 def control_endpoint(manager: Any) -> str:
     """The ZMQ endpoint where the manager receives its peers' messages."""
     return f"tcp://{manager.local_ip}:{manager.rank_port}"
 
 
+@relies(
+    attribute(_MANAGER, "engine"),
+    method(_TRANSFER_ENGINE, "register", "ptr", "length"),
+)
 def register_receive_buffer(manager: Any, address: int, nbytes: int) -> None:
     manager.engine.register(address, nbytes)
 
 
+@relies(attribute(f"{BASE_CONN}.KVArgs", "page_size"), attribute(_MANAGER, "kv_args"))
 def manager_page_size(manager: Any) -> int:
     return int(manager.kv_args.page_size)
 
 
+@relies(attribute(f"{BASE_CONN}.KVArgs", "engine_rank"), attribute(_MANAGER, "kv_args"))
 def manager_engine_rank(manager: Any) -> int:
     return int(manager.kv_args.engine_rank)
 
 
+@relies(attribute(f"{COMMON_CONN}.CommonKVManager", "attn_tp_size"))
 def manager_attn_tp_size(manager: Any) -> int:
     """How many attention-TP ranks this server's KV heads are split over."""
     return int(manager.attn_tp_size)
 
 
+@relies(
+    attribute("sglang.srt.managers.tp_worker.TpModelWorker", "random_seed"),
+    attribute(SCHEDULER, "tp_worker"),
+)
 def random_seed(scheduler: Any) -> int:
     """The scheduler's random seed: its model worker broadcasts one seed to every TP rank,
     which upstream's sampler relies on."""
     return int(scheduler.tp_worker.random_seed)
 
 
+@relies(attribute(_RECEIVER, "prefill_info"))
 def peer_attn_tp_size(receiver: Any) -> int | None:
     """Decode, after ``init``: the attention-TP size of the receiver's prefill server (None
     if upstream never learnt it: its request has failed already)."""
@@ -307,6 +351,10 @@ def peer_attn_tp_size(receiver: Any) -> int | None:
     return None if info is None else int(info.attn_tp_size)
 
 
+@relies(
+    Relied("sglang.srt.disaggregation.utils", "all_reduce_flags", "function"),
+    attribute(SCHEDULER, "attn_tp_cpu_group"),
+)
 def rank_reduce_min(scheduler: Any) -> Callable[[list[int]], list[int]]:
     """Elementwise MIN over the scheduler's attention-TP ranks (gloo, as upstream reduces
     its transfer polls); the identity on one rank."""
@@ -317,16 +365,23 @@ def rank_reduce_min(scheduler: Any) -> Callable[[list[int]], list[int]]:
     return lambda flags: all_reduce_flags(flags, group, dist.ReduceOp.MIN)
 
 
+@relies(
+    Relied("sglang.srt.disaggregation.utils", "DisaggregationMode", "class"),
+    Relied("sglang.srt.disaggregation.utils.DisaggregationMode", "PREFILL", "member"),
+    attribute(_MANAGER, "disaggregation_mode"),
+)
 def manager_is_prefill(manager: Any) -> bool:
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     return manager.disaggregation_mode == DisaggregationMode.PREFILL
 
 
+@relies(attribute(_MANAGER, "is_mla_backend"))
 def manager_is_mla(manager: Any) -> bool:
     return bool(manager.is_mla_backend)
 
 
+@relies(attribute("sglang.srt.server_args.ServerArgs", "enable_metrics"), attribute(_MANAGER, "server_args"))
 def metrics_enabled(manager: Any) -> bool:
     return bool(getattr(manager.server_args, "enable_metrics", False))
 
@@ -345,6 +400,7 @@ def metadata_state_indices(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return args[1] if len(args) > 1 else kwargs.get("state_indices")
 
 
+@relies(method(_MANAGER, "build_receiver_metadata_message", "bootstrap_room", "is_dummy"))
 def metadata_frames_violation() -> str | None:
     """Whether upstream's metadata message still has the layout
     :func:`parse_metadata_frames` reads (built by upstream's own method)."""

@@ -1,20 +1,23 @@
 """How the boundary's contract with SGLang is declared and checked.
 
-Each topic module of :mod:`lynx_patches.upstream` lists the upstream names its functions
-(and the hook modules' direct reads of public request and batch fields) rely on in its
-``RELIED``; :data:`lynx_patches.upstream.CONTRACT` is their union. Checked two ways: by
-:func:`contract_violations` against the installed SGLang (``python -m
-lynx_patches.upstream``, ``test/plugin/test_upstream_contract.py``), and against the
-source by ``test/unit/test_boundary_contract.py``, which fails on any upstream name used
-and not declared.
+Each accessor of :mod:`lynx_patches.upstream` declares, on itself, the upstream names it
+touches (:func:`relies`); each topic module's ``RELIED`` lists the rest: the methods
+Lynx's hooks wrap or its subclasses override, and the public fields hook modules read
+directly. :data:`lynx_patches.upstream.CONTRACT` is the union of all of them
+(:func:`declared_in`). Checked two ways: by :func:`contract_violations` against the
+installed SGLang (``python -m lynx_patches.upstream``,
+``test/plugin/test_upstream_contract.py``), and against the source by
+``test/unit/test_boundary_contract.py``, which fails on any upstream name an accessor
+touches and does not declare itself (and on any a hook module reads undeclared).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeVar
 
 CONN = "sglang.srt.disaggregation.mooncake.conn"
 COMMON_CONN = "sglang.srt.disaggregation.common.conn"
@@ -44,6 +47,33 @@ def method(owner: str, name: str, *params: str) -> Relied:
 
 def attribute(owner: str, name: str) -> Relied:
     return Relied(owner, name, "attribute")
+
+
+RELIES = "__lynx_relies__"  # where @relies keeps an accessor's declaration
+Accessor = TypeVar("Accessor", bound=Callable[..., Any])
+
+
+def relies(*names: Relied) -> Callable[[Accessor], Accessor]:
+    """Declare on an accessor every upstream name it touches (fields read or written,
+    methods called with their keywords, names imported from ``sglang``)."""
+
+    def declare(accessor: Accessor) -> Accessor:
+        setattr(accessor, RELIES, names)
+        return accessor
+
+    return declare
+
+
+def declared_in(module: ModuleType) -> tuple[Relied, ...]:
+    """What ``module``'s accessors declare, in source order, then its ``RELIED``."""
+    accessors = [
+        value
+        for value in vars(module).values()
+        if callable(value) and getattr(value, "__module__", None) == module.__name__
+    ]
+    return tuple(relied for accessor in accessors for relied in getattr(accessor, RELIES, ())) + tuple(
+        getattr(module, "RELIED", ())
+    )
 
 
 # What the launcher-level hooks rely on: the plugin API they register through

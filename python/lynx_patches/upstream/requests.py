@@ -8,12 +8,15 @@ from http import HTTPStatus
 from typing import Any
 
 from lynx.verify import CommittedLogprobs, LogprobRequest, SamplingSettings
-from lynx_patches.upstream.contract import REQ, SCHEDULE_BATCH, SCHEDULER, Relied, attribute, method
+from lynx_patches.upstream.contract import REQ, SCHEDULE_BATCH, SCHEDULER, Relied, attribute, method, relies
 
 _ACCUMULATOR = "sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator"
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _GENERATE_INPUT = "sglang.srt.managers.io_struct.GenerateReqInput"
 _TOKENIZED_INPUT = "sglang.srt.managers.io_struct.TokenizedGenerateReqInput"
+_BATCH_RESULT_PROCESSOR = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+)
 # A request's per-output-token logprob lists (``Req.logprob``), one entry per output token.
 _OUTPUT_LOGPROB_FIELDS = (
     "output_token_logprobs_val",
@@ -35,44 +38,31 @@ _REASONING_FIELDS = (
 )
 
 RELIED: tuple[Relied, ...] = (
-    # Requests: what Lynx reads, and the fields it writes through this module.
-    attribute(REQ, "rid"),
-    attribute(REQ, "bootstrap_room"),
+    # What the accessors below do not declare themselves: the request fields hook
+    # modules read directly, the reasoning-count fields the accessors reach by name, and
+    # the methods Lynx's hooks wrap.
     attribute(REQ, "origin_input_ids"),
-    attribute(REQ, "output_ids"),
+    method(SCHEDULER, "pause_generation", "recv_req"),
+    method(REQ, "update_finish_state", "new_accepted_len"),
+    method(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
+        "is_request_level_customized_info_key",
+        "key",
+    ),
+    method(_ACCUMULATOR, "accept", "req"),
+    method(_TOKENIZER_MANAGER, "_handle_batch_request", "obj", "request", "request_states"),
+    method(_TOKENIZER_MANAGER, "_send_one_request", "tokenized_obj"),
+)
+
+
+@relies(
     attribute(REQ, "sampling_params"),
-    attribute(REQ, "return_logprob"),
-    attribute(REQ, "logprob"),
-    *(attribute(f"{SCHEDULE_BATCH}.ReqLogprob", name) for name in ("top_logprobs_num", "token_ids_logprob")),
-    *(attribute(f"{SCHEDULE_BATCH}.ReqLogprob", name) for name in _OUTPUT_LOGPROB_FIELDS),
-    Relied("sglang.srt.layers.sampler", "SGLANG_RETURN_ORIGINAL_LOGPROB", "member"),
     attribute(REQ, "grammar"),
     attribute(REQ, "custom_logit_processor"),
     attribute(REQ, "return_hidden_states"),
     attribute(REQ, "return_sampling_mask"),
     attribute(REQ, "return_routed_experts"),
     attribute(REQ, "return_indexer_topk"),
-    *(attribute(REQ, name) for name in _REASONING_FIELDS),
-    attribute(SCHEDULER, "batch_result_processor"),
-    method(SCHEDULER, "pause_generation", "recv_req"),
-    attribute("sglang.srt.managers.io_struct.PauseGenerationReqInput", "mode"),
-    method(
-        "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor",
-        "_maybe_update_reasoning_tokens",
-        "req",
-        "next_token_id",
-    ),
-    attribute(REQ, "to_finish"),
-    attribute(REQ, "finished_reason"),
-    attribute(REQ, "finished_len"),
-    attribute(REQ, "customized_info"),
-    attribute(REQ, "kv"),
-    method(REQ, "finished"),
-    method(REQ, "update_finish_state", "new_accepted_len"),
-    attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "req_pool_idx"),
-    attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "kv_committed_len"),
-    attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "kv_allocated_len"),
-    Relied(SCHEDULE_BATCH, "FINISH_ABORT", "class"),
     attribute("sglang.srt.sampling.sampling_params.SamplingParams", "temperature"),
     attribute("sglang.srt.sampling.sampling_params.SamplingParams", "top_k"),
     attribute("sglang.srt.sampling.sampling_params.SamplingParams", "top_p"),
@@ -83,23 +73,7 @@ RELIED: tuple[Relied, ...] = (
     attribute("sglang.srt.sampling.sampling_params.SamplingParams", "min_new_tokens"),
     attribute("sglang.srt.sampling.sampling_params.SamplingParams", "logit_bias"),
     attribute("sglang.srt.sampling.sampling_params.SamplingParams", "watermark"),
-    method(
-        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
-        "is_request_level_customized_info_key",
-        "key",
-    ),
-    method(_ACCUMULATOR, "accept", "req"),
-    *(attribute(_ACCUMULATOR, name) for name in ("output_reqs", "customized_info")),
-    *(attribute(REQ, name) for name in ("send_token_offset", "stream", "customized_info")),
-    # The tokenizer's parallel samples: each gets its own room (lynx_patches.tokenizer_manager).
-    method(_TOKENIZER_MANAGER, "_handle_batch_request", "obj", "request", "request_states"),
-    method(_TOKENIZER_MANAGER, "_send_one_request", "tokenized_obj"),
-    *(attribute(_GENERATE_INPUT, name) for name in ("parallel_sample_num", "bootstrap_room", "batch_size")),
-    *(attribute(_TOKENIZED_INPUT, name) for name in ("bootstrap_room", "bootstrap_host")),
-    Relied("sglang.srt.disaggregation.utils", "FAKE_BOOTSTRAP_HOST", "member"),
 )
-
-
 def sampling_settings(req: Any, vocab: int) -> SamplingSettings:
     params = req.sampling_params
     return SamplingSettings(
@@ -124,6 +98,14 @@ def sampling_settings(req: Any, vocab: int) -> SamplingSettings:
     )
 
 
+@relies(
+    attribute(REQ, "sampling_params"),
+    attribute(REQ, "return_logprob"),
+    attribute(REQ, "logprob"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "top_logprobs_num"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "token_ids_logprob"),
+    attribute("sglang.srt.sampling.sampling_params.SamplingParams", "temperature"),
+)
 def logprob_request(req: Any) -> LogprobRequest | None:
     """What ``req`` asked to get back per output token, as upstream's sampler computes it
     (the request's temperature, unless ``SGLANG_RETURN_ORIGINAL_LOGPROB``); None without
@@ -138,6 +120,7 @@ def logprob_request(req: Any) -> LogprobRequest | None:
     )
 
 
+@relies(Relied("sglang.srt.layers.sampler", "SGLANG_RETURN_ORIGINAL_LOGPROB", "member"))
 def returns_original_logprobs() -> bool:
     """Upstream's sampler returns logprobs before temperature scaling
     (``SGLANG_RETURN_ORIGINAL_LOGPROB``)."""
@@ -146,6 +129,15 @@ def returns_original_logprobs() -> bool:
     return bool(sampler.SGLANG_RETURN_ORIGINAL_LOGPROB)
 
 
+@relies(
+    attribute(REQ, "logprob"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "output_token_logprobs_val"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "output_token_logprobs_idx"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "output_top_logprobs_val"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "output_top_logprobs_idx"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "output_token_ids_logprobs_val"),
+    attribute(f"{SCHEDULE_BATCH}.ReqLogprob", "output_token_ids_logprobs_idx"),
+)
 def replace_output_logprobs(req: Any, keep: int, committed: CommittedLogprobs) -> None:
     """Keep the first ``keep`` entries of each per-output-token logprob list (``t_0``'s,
     from prefill) and append ``committed``'s after them."""
@@ -160,10 +152,16 @@ def replace_output_logprobs(req: Any, keep: int, committed: CommittedLogprobs) -
     lists.output_token_ids_logprobs_idx.extend(committed.ids_idx)
 
 
+@relies(*(attribute(REQ, name) for name in _REASONING_FIELDS))
 def reasoning_state(req: Any) -> tuple[Any, ...]:
     return tuple(getattr(req, name) for name in _REASONING_FIELDS)
 
 
+@relies(
+    *(attribute(REQ, name) for name in _REASONING_FIELDS),
+    attribute(SCHEDULER, "batch_result_processor"),
+    method(_BATCH_RESULT_PROCESSOR, "_maybe_update_reasoning_tokens", "req", "next_token_id"),
+)
 def recount_reasoning(scheduler: Any, req: Any, state: tuple[Any, ...], tokens: Sequence[int]) -> None:
     """Restore the reasoning count to ``state`` and count ``tokens`` on top, as upstream
     counts decoded tokens."""
@@ -173,6 +171,7 @@ def recount_reasoning(scheduler: Any, req: Any, state: tuple[Any, ...], tokens: 
         scheduler.batch_result_processor._maybe_update_reasoning_tokens(req, list(tokens))
 
 
+@relies(attribute(REQ, "customized_info"))
 def set_request_info(req: Any, key: str, value: dict[str, Any]) -> None:
     """Put ``value`` into the response's ``meta_info[key]`` (upstream's request-level
     customized info: one entry per request)."""
@@ -181,11 +180,19 @@ def set_request_info(req: Any, key: str, value: dict[str, Any]) -> None:
     req.customized_info[key] = [value]
 
 
+@relies(attribute(REQ, "send_token_offset"))
 def first_stream_chunk(req: Any) -> bool:
     """No token of ``req`` has been streamed yet (its next output is its first chunk)."""
     return req.send_token_offset == 0
 
 
+@relies(
+    attribute(REQ, "customized_info"),
+    method(REQ, "finished"),
+    attribute(_ACCUMULATOR, "output_reqs"),
+    attribute(_ACCUMULATOR, "customized_info"),
+    attribute(REQ, "stream"),
+)
 def resend_request_info(accumulator: Any, req: Any, key: str) -> None:
     """Upstream sends a streamed request's request-level info (``key``) with its first
     chunk only. When ``req`` has just been taken into ``accumulator`` (an output batch) as
@@ -203,6 +210,11 @@ def resend_request_info(accumulator: Any, req: Any, key: str) -> None:
 # ---- Tokenizer: parallel samples -------------------------------------------------------------
 
 
+@relies(
+    attribute(_GENERATE_INPUT, "parallel_sample_num"),
+    attribute(_GENERATE_INPUT, "bootstrap_room"),
+    attribute(_GENERATE_INPUT, "batch_size"),
+)
 def parallel_sample_rooms(obj: Any) -> list[int] | None:
     """The bootstrap rooms of the prompts of a (normalized) generate request that upstream's
     tokenizer will send as ``n`` > 1 parallel samples, or None: one sample per prompt, no
@@ -217,15 +229,21 @@ def parallel_sample_rooms(obj: Any) -> list[int] | None:
     return [int(room) for room in prompts]
 
 
+@relies(attribute(_TOKENIZED_INPUT, "bootstrap_room"))
 def tokenized_room(tokenized_obj: Any) -> int | None:
     """The bootstrap room a tokenized request is about to be sent to the scheduler with."""
     return getattr(tokenized_obj, "bootstrap_room", None)
 
 
+@relies(attribute(_TOKENIZED_INPUT, "bootstrap_room"))
 def send_with_room(tokenized_obj: Any, room: int) -> None:
     tokenized_obj.bootstrap_room = room
 
 
+@relies(
+    attribute(_TOKENIZED_INPUT, "bootstrap_host"),
+    Relied("sglang.srt.disaggregation.utils", "FAKE_BOOTSTRAP_HOST", "member"),
+)
 def send_without_transfer(tokenized_obj: Any) -> None:
     """Run the request on upstream's fake transfer (as its server warm-up does): prefill
     sends nothing, decode waits for nothing and decodes on whatever its pages hold."""
@@ -234,11 +252,13 @@ def send_without_transfer(tokenized_obj: Any) -> None:
     tokenized_obj.bootstrap_host = FAKE_BOOTSTRAP_HOST
 
 
+@relies(attribute(REQ, "to_finish"))
 def is_aborting(req: Any) -> bool:
     """An abort (client or server) is pending on the request."""
     return req.to_finish is not None
 
 
+@relies(attribute(REQ, "to_finish"), Relied(SCHEDULE_BATCH, "FINISH_ABORT", "class"))
 def abort_with(req: Any, reason: str) -> None:
     """Finish the request at its next finish check with ``reason`` (HTTP 500)."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -246,34 +266,47 @@ def abort_with(req: Any, reason: str) -> None:
     req.to_finish = FINISH_ABORT(reason, HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
+@relies(attribute(REQ, "finished_reason"), attribute(REQ, "finished_len"))
 def clear_finish(req: Any) -> None:
     """Undo a finish upstream's check just set (it is deferred until verification)."""
     req.finished_reason = None
     req.finished_len = None
 
 
+@relies(attribute(REQ, "output_ids"))
 def truncate_output(req: Any, keep: int) -> None:
     """Keep the first ``keep`` output tokens."""
     del req.output_ids[keep:]
 
 
+@relies(attribute(REQ, "output_ids"))
 def append_output(req: Any, token: int) -> None:
     req.output_ids.append(token)
 
 
+@relies(attribute(REQ, "kv"), attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "kv_allocated_len"))
 def kv_allocated_len(req: Any) -> int:
     return int(req.kv.kv_allocated_len)
 
 
+@relies(attribute(REQ, "bootstrap_room"))
 def bootstrap_room(req: Any) -> int | None:
     """The room of the request's PD transfer (None outside PD)."""
     return req.bootstrap_room
 
 
+@relies(attribute(REQ, "kv"), attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "req_pool_idx"))
 def req_pool_row(req: Any) -> int:
     return int(req.kv.req_pool_idx)
 
 
+@relies(
+    attribute(REQ, "kv"),
+    attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "kv_committed_len"),
+    attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "kv_allocated_len"),
+    method("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache", "free_kv_row", "kv", "ranges"),
+    attribute(SCHEDULER, "tree_cache"),
+)
 def set_kv_len(scheduler: Any, req: Any, kept: int, free: tuple[int, int] | None) -> None:
     """The request's KV now ends at ``kept`` tokens; ``free`` ([start, end), page-aligned) goes back to
     the pool."""

@@ -8,86 +8,59 @@ from typing import Any
 import torch
 
 from lynx_patches.errors import LynxConfigError
-from lynx_patches.upstream.contract import BATCH, SCHEDULER, Relied, attribute, method
+from lynx_patches.upstream.contract import BATCH, REQ, SCHEDULER, Relied, attribute, method, relies
+
+_DECODE = "sglang.srt.disaggregation.decode"
+_INTERNAL_STATE_CONTROLLER = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+)
 
 RELIED: tuple[Relied, ...] = (
-    # The queues Lynx hooks, and what it reads off them.
+    # What the accessors below do not declare themselves: the queue, batch and scheduler
+    # methods Lynx's hooks wrap and the fields the hook modules read directly.
     method("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "_init_kv_manager"),
-    attribute("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "token_to_kv_pool"),
-    method("sglang.srt.disaggregation.decode.DecodePreallocQueue", "_init_kv_manager"),
-    attribute("sglang.srt.disaggregation.decode.DecodePreallocQueue", "token_to_kv_pool"),
-    attribute("sglang.srt.disaggregation.decode.DecodePreallocQueue", "scheduler"),
-    attribute("sglang.srt.managers.tp_worker.TpModelWorker", "random_seed"),
-    method("sglang.srt.disaggregation.decode.DecodeTransferQueue", "_commit_transfer_to_req", "decode_req"),
-    attribute("sglang.srt.disaggregation.decode.DecodeTransferQueue", "scheduler"),
-    attribute("sglang.srt.disaggregation.decode.DecodeRequest", "req"),
-    attribute("sglang.srt.disaggregation.decode.DecodeRequest", "kv_receiver"),
-    # KV pool.
-    attribute("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "k_buffer"),
-    attribute("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "v_buffer"),
-    attribute("sglang.srt.mem_cache.memory_pool.KVCache", "dtype"),
-    attribute("sglang.srt.mem_cache.memory_pool.KVCache", "store_dtype"),
-    method(BATCH, "filter_batch", "keep_indices"),
+    method(f"{_DECODE}.DecodePreallocQueue", "_init_kv_manager"),
+    method(f"{_DECODE}.DecodeTransferQueue", "_commit_transfer_to_req", "decode_req"),
+    attribute(f"{_DECODE}.DecodeRequest", "req"),
+    attribute(f"{_DECODE}.DecodeRequest", "kv_receiver"),
     method(BATCH, "is_empty"),
     method(BATCH, "retract_decode"),
-    method("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator", "available_size"),
-    method("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache", "free_kv_row", "kv", "ranges"),
-    attribute("sglang.srt.configs.model_config.ModelConfig", "vocab_size"),
     method(SCHEDULER, "is_fully_idle"),
-    method(SCHEDULER, "process_batch_result", "batch", "result"),
     method(SCHEDULER, "collect_inflight_reqs"),
-    *(
-        attribute(SCHEDULER, name)
-        for name in (
-            "running_batch",
-            "waiting_queue",
-            "tree_cache",
-            "req_to_token_pool",
-            "token_to_kv_pool_allocator",
-            "model_config",
-            "spec_algorithm",
-            "tp_worker",
-            "output_streamer",
-            "disagg_prefill_bootstrap_queue",
-            "disagg_decode_prealloc_queue",
-            "enable_overlap",
-            "attn_tp_cpu_group",
-            "last_batch",
-            "result_queue",
-        )
-    ),
-    Relied("sglang.srt.mem_cache.common", "release_kv_cache", "function"),
-    method(
-        "sglang.srt.managers.scheduler_components.new_token_ratio_tracker.NewTokenRatioTracker",
-        "estimate_new_token_ratio_after_retract",
-    ),
-    method(
-        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
-        "stream_output",
-        "reqs",
-        "return_logprob",
-    ),
-    attribute(
-        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
-        "scheduler",
-    ),
+    attribute(SCHEDULER, "disagg_prefill_bootstrap_queue"),
+    attribute(SCHEDULER, "disagg_decode_prealloc_queue"),
     attribute("sglang.srt.managers.io_struct.GetInternalStateReqOutput", "internal_state"),
 )
 
 
+@relies(
+    attribute(f"{_DECODE}.DecodePreallocQueue", "scheduler"),
+    attribute(f"{_DECODE}.DecodeTransferQueue", "scheduler"),
+)
 def queue_scheduler(queue: Any) -> Any:
     return queue.scheduler
 
 
+@relies(attribute(_INTERNAL_STATE_CONTROLLER, "scheduler"))
 def controller_scheduler(controller: Any) -> Any:
     """The scheduler whose ``/server_info`` internal state ``controller`` answers with."""
     return controller.scheduler
 
 
+@relies(
+    attribute("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "token_to_kv_pool"),
+    attribute("sglang.srt.disaggregation.decode.DecodePreallocQueue", "token_to_kv_pool"),
+)
 def queue_kv_pool(queue: Any) -> Any:
     return queue.token_to_kv_pool
 
 
+@relies(
+    attribute("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "k_buffer"),
+    attribute("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool", "v_buffer"),
+    attribute("sglang.srt.mem_cache.memory_pool.KVCache", "dtype"),
+    attribute("sglang.srt.mem_cache.memory_pool.KVCache", "store_dtype"),
+)
 def kv_pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-layer K and V buffers of an MHA KV pool; raises (naming the pool) for any
     other kind, and for a quantized KV cache."""
@@ -99,14 +72,28 @@ def kv_pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return k, v
 
 
+@relies(
+    method("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator", "available_size"),
+    attribute(SCHEDULER, "token_to_kv_pool_allocator"),
+)
 def free_kv_tokens(scheduler: Any) -> int:
     return int(scheduler.token_to_kv_pool_allocator.available_size())
 
 
+@relies(
+    attribute("sglang.srt.configs.model_config.ModelConfig", "vocab_size"),
+    attribute(SCHEDULER, "model_config"),
+)
 def vocab_size(scheduler: Any) -> int:
     return int(scheduler.model_config.vocab_size)
 
 
+@relies(
+    method(BATCH, "filter_batch", "keep_indices"),
+    attribute(SCHEDULER, "running_batch"),
+    attribute(SCHEDULER, "waiting_queue"),
+    attribute(BATCH, "reqs"),
+)
 def remove_from_batches(scheduler: Any, reqs: Iterable[Any]) -> None:
     """Take ``reqs`` out of the running batch and the waiting queue (they keep their KV)."""
     ids = {id(req) for req in reqs}
@@ -117,12 +104,19 @@ def remove_from_batches(scheduler: Any, reqs: Iterable[Any]) -> None:
         scheduler.waiting_queue = [req for req in scheduler.waiting_queue if id(req) not in ids]
 
 
+@relies(attribute(SCHEDULER, "enable_overlap"))
 def overlaps(scheduler: Any) -> bool:
     """The scheduler runs upstream's overlap loop (a batch in flight while the last one's
     results are processed)."""
     return bool(scheduler.enable_overlap)
 
 
+@relies(
+    method(SCHEDULER, "process_batch_result", "batch", "result"),
+    attribute(SCHEDULER, "enable_overlap"),
+    attribute(SCHEDULER, "last_batch"),
+    attribute(SCHEDULER, "result_queue"),
+)
 def process_in_flight_batch(scheduler: Any) -> None:
     """Overlap loop: process the results of the batch launched last iteration now, so no
     request has a token in flight, and leave the loop no last batch to process -- what
@@ -133,17 +127,31 @@ def process_in_flight_batch(scheduler: Any) -> None:
         scheduler.last_batch = None
 
 
+@relies(attribute("sglang.srt.managers.io_struct.PauseGenerationReqInput", "mode"))
 def pause_retracts(recv_req: Any) -> bool:
     """A ``pause_generation`` request that retracts running requests (not in place)."""
     return recv_req.mode == "retract"
 
 
+@relies(attribute(SCHEDULER, "waiting_queue"))
 def requeue(scheduler: Any, req: Any) -> None:
     """Back through the waiting queue: upstream's prebuilt path re-admits it with its
     committed tokens, as it resumes a retracted request."""
     scheduler.waiting_queue.append(req)
 
 
+@relies(
+    attribute(REQ, "return_logprob"),
+    attribute(SCHEDULER, "tree_cache"),
+    attribute(SCHEDULER, "output_streamer"),
+    Relied("sglang.srt.mem_cache.common", "release_kv_cache", "function"),
+    method(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
+        "stream_output",
+        "reqs",
+        "return_logprob",
+    ),
+)
 def release_and_answer(scheduler: Any, req: Any) -> None:
     """A finished request: free its KV and answer the client (upstream's prebuilt path
     refuses finished requests)."""
@@ -153,12 +161,19 @@ def release_and_answer(scheduler: Any, req: Any) -> None:
     scheduler.output_streamer.stream_output([req], req.return_logprob)
 
 
+@relies(method(BATCH, "filter_batch", "keep_indices"), attribute(BATCH, "reqs"))
 def batch_without(batch: Any, remove: Sequence[int]) -> None:
     """Drop rows ``remove`` of ``batch`` (their requests keep their KV)."""
     gone = set(remove)
     batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i not in gone])
 
 
+@relies(
+    method(
+        "sglang.srt.managers.scheduler_components.new_token_ratio_tracker.NewTokenRatioTracker",
+        "estimate_new_token_ratio_after_retract",
+    ),
+)
 def nothing_retracted(parked: list[Any]) -> tuple[list[Any], float, list[Any]]:
     """``retract_decode``'s result when Lynx parked every request of the batch instead."""
     from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker

@@ -7,53 +7,15 @@ from typing import Any
 
 import torch
 
-from lynx_patches.upstream.contract import BATCH, Relied, attribute, method
+from lynx_patches.upstream.contract import BATCH, REQ, SCHEDULER, Relied, attribute, method, relies
 from lynx_patches.upstream.requests import kv_allocated_len, req_pool_row
 from lynx_patches.upstream.scheduler import vocab_size
 
+_FORWARD_BATCH_INFO = "sglang.srt.model_executor.forward_batch_info"
+
 RELIED: tuple[Relied, ...] = (
-    method(
-        BATCH,
-        "init_new",
-        "reqs",
-        "req_to_token_pool",
-        "token_to_kv_pool_allocator",
-        "tree_cache",
-        "model_config",
-        "enable_overlap",
-        "spec_algorithm",
-    ),
-    *(
-        attribute(BATCH, name)
-        for name in (
-            "reqs",
-            "forward_mode",
-            "seq_lens",
-            "seq_lens_cpu",
-            "orig_seq_lens",
-            "seq_lens_sum",
-            "req_pool_indices",
-            "req_pool_indices_cpu",
-            "out_cache_loc",
-            "input_ids",
-            "multimodal_inputs",
-            "sampling_info",
-        )
-    ),
-    method(
-        "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo",
-        "from_schedule_batch",
-        "batch",
-        "vocab_size",
-    ),
-    Relied("sglang.srt.model_executor.forward_batch_info.ForwardMode", "DECODE", "member"),
-    method("sglang.srt.model_executor.forward_batch_info.ForwardMode", "is_decode"),
-    attribute("sglang.srt.managers.utils.GenerationBatchResult", "logits_output"),
-    attribute("sglang.srt.layers.logits_processor.LogitsProcessorOutput", "next_token_logits"),
-    attribute("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "device"),
-    attribute("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "req_to_token"),
-    method("sglang.srt.managers.tp_worker.TpModelWorker", "forward_batch_generation", "batch", "is_verify"),
-    # The CPU attention backend's per-row decode attention, wrapped for verify passes.
+    # What the accessors below do not declare themselves: the attention backend's
+    # decode kernel Lynx's stand-in wraps.
     method(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
         "_run_sdpa_forward_decode",
@@ -74,6 +36,11 @@ RELIED: tuple[Relied, ...] = (
 )
 
 
+@relies(
+    attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "forward_mode"),
+    attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "req_pool_indices"),
+    method(f"{_FORWARD_BATCH_INFO}.ForwardMode", "is_decode"),
+)
 def decode_forward_rows(forward_batch: Any, n_rows: int) -> list[int] | None:
     """The request-pool rows of a decode forward's first ``n_rows`` rows; None if it is
     not a decode forward."""
@@ -82,10 +49,12 @@ def decode_forward_rows(forward_batch: Any, n_rows: int) -> list[int] | None:
     return forward_batch.req_pool_indices[:n_rows].tolist()
 
 
+@relies(attribute("sglang.srt.layers.logits_processor.LogitsProcessorOutput", "next_token_logits"))
 def next_token_logits(logits_output: Any) -> torch.Tensor:
     return logits_output.next_token_logits
 
 
+@relies(attribute(REQ, "rid"), attribute(REQ, "output_ids"))
 def run_verify_forward(
     scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequence[int], *, in_steps: bool
 ) -> list[torch.Tensor]:
@@ -131,6 +100,48 @@ def run_verify_forward(
     return [torch.stack(rows_of_req) for rows_of_req in per_req]
 
 
+@relies(
+    attribute(REQ, "output_ids"),
+    attribute(SCHEDULER, "tree_cache"),
+    attribute(SCHEDULER, "req_to_token_pool"),
+    attribute(SCHEDULER, "token_to_kv_pool_allocator"),
+    attribute(SCHEDULER, "model_config"),
+    attribute(SCHEDULER, "spec_algorithm"),
+    attribute(SCHEDULER, "tp_worker"),
+    method(
+        BATCH,
+        "init_new",
+        "reqs",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+        "model_config",
+        "enable_overlap",
+        "spec_algorithm",
+    ),
+    attribute(BATCH, "forward_mode"),
+    attribute(BATCH, "seq_lens"),
+    attribute(BATCH, "seq_lens_cpu"),
+    attribute(BATCH, "orig_seq_lens"),
+    attribute(BATCH, "seq_lens_sum"),
+    attribute(BATCH, "req_pool_indices"),
+    attribute(BATCH, "req_pool_indices_cpu"),
+    attribute(BATCH, "out_cache_loc"),
+    attribute(BATCH, "input_ids"),
+    attribute(BATCH, "multimodal_inputs"),
+    attribute(BATCH, "sampling_info"),
+    method(
+        "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo",
+        "from_schedule_batch",
+        "batch",
+        "vocab_size",
+    ),
+    Relied(f"{_FORWARD_BATCH_INFO}.ForwardMode", "DECODE", "member"),
+    attribute("sglang.srt.managers.utils.GenerationBatchResult", "logits_output"),
+    attribute("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "device"),
+    attribute("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "req_to_token"),
+    method("sglang.srt.managers.tp_worker.TpModelWorker", "forward_batch_generation", "batch", "is_verify"),
+)
 def _decode_forward(scheduler: Any, rows: Sequence[tuple[Any, int, int]]) -> torch.Tensor:
     """One DECODE forward over ``rows`` (request, prompt length, held position i): row i
     of a request feeds ``output_ids[i]`` into the KV slot at ``prompt_len + i`` and
