@@ -32,10 +32,17 @@ from pathlib import Path
 from typing import Any
 
 from bench_texts import benchmark_parser, fetch_texts, resolved_dtype
-from pd_transfer import CONFIGS, Pair, add_pair_options, measure, median_of, prompts_from
+from pd_transfer import (
+    CONFIGS,
+    Pair,
+    add_pair_options,
+    measure,
+    median_of,
+    prompts_from,
+    rerun_on_decode_side,
+)
 from transformers import AutoTokenizer
 
-from lynx.tools import netlink
 from lynx.tools.cluster import terminate_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,12 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.link and not netlink.inside():
-        if (reason := netlink.unusable()) is not None:
-            print(f"error: --link {reason}", file=sys.stderr)
-            return 2
-        fetch_texts(args.data)  # the namespaces reach no network
-        return netlink.run_on_side(netlink.DECODE, args.link, [sys.executable, *sys.argv])
+    if (status := rerun_on_decode_side(args)) is not None:
+        return status
     started = time.time()
     fetch_texts(args.data)
     args.out.mkdir(parents=True, exist_ok=True)

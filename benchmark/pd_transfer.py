@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench_texts import DOCS, PLAYS, benchmark_parser, dtype_args
+from bench_texts import DOCS, PLAYS, benchmark_parser, dtype_args, fetch_texts
 from bench_texts import TEXTS as BASE_TEXTS
 from transformers import AutoTokenizer
 
@@ -263,6 +263,19 @@ def draw_medians(axes: Any, results: dict, contexts: list[int], marks: list[int]
 
 def args_model_name(results: dict) -> str:
     return next(iter(results.values())).get("model", "")
+
+
+def rerun_on_decode_side(args: argparse.Namespace) -> int | None:
+    """With ``--link``, outside the namespaces: fetch the texts (the namespaces reach no
+    network) and run this same command again on decode's side; its exit status (2 where
+    the link cannot be made). None: the caller goes on here."""
+    if not args.link or netlink.inside():
+        return None
+    if (reason := netlink.unusable()) is not None:
+        print(f"error: --link {reason}", file=sys.stderr)
+        return 2
+    fetch_texts(args.data)
+    return netlink.run_on_side(netlink.DECODE, args.link, [sys.executable, *sys.argv])
 
 
 def add_pair_options(parser: argparse.ArgumentParser, *, chunk: bool = True) -> None:
