@@ -301,10 +301,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/pd_transfer")
     args = parser.parse_args()
-    if args.link and not netlink.inside():
-        if (reason := netlink.unusable()) is not None:
-            parser.error(f"--link {reason}")
-        sys.exit(netlink.run_on_side(netlink.DECODE, args.link, [sys.executable, *sys.argv]))
+    if (status := rerun_on_decode_side(args)) is not None:
+        sys.exit(status)
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     agreement = prompts_from(args.data, tokenizer, args.prompts, args.prompt_tokens, skip=1000)
