@@ -93,11 +93,13 @@ def codec_round_trip(x: torch.Tensor, kind: str, variant: Variant) -> tuple[torc
     return tuple(outs)
 
 
-def make_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache from per-layer (tokens, heads, head_dim) K and V."""
+def make_cache(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.float32
+) -> DynamicCache:
+    """A DynamicCache in ``dtype`` (the model's) from per-layer (tokens, heads, head_dim) K and V."""
     cache = DynamicCache()
     for i, (k, v) in enumerate(layers):
-        cache.update(k.float().permute(1, 0, 2)[None], v.float().permute(1, 0, 2)[None], i)
+        cache.update(k.to(dtype).permute(1, 0, 2)[None], v.to(dtype).permute(1, 0, 2)[None], i)
     return cache
 
 
