@@ -209,6 +209,7 @@ def run_timed(pair: Any, prompt: str, gen: int) -> dict[str, Any]:
         "prompt_tokens": meta["prompt_tokens"],
         "token_times": [times[n] for n in range(1, gen + 1)],
         "lynx": report,
+        "output_ids": last["output_ids"],
     }
 
 
@@ -303,6 +304,19 @@ def decode_pace(token_times: list[float]) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(tail))
 
 
+def latency_outputs_equal(res: ConfigResult, reference: ConfigResult) -> list[int] | None:
+    """[equal, compared]: the timed requests whose greedy output equals plain PD's for the
+    same prompt and link; None for a run recorded before the outputs were kept."""
+    pairs = [
+        (mine["output_ids"], theirs["output_ids"])
+        for link, by_context in res.latency.items()
+        for context, runs in by_context.items()
+        for mine, theirs in zip(runs, reference.latency.get(link, {}).get(context, []), strict=False)
+        if mine.get("output_ids") is not None and theirs.get("output_ids") is not None
+    ]
+    return [sum(a == b for a, b in pairs), len(pairs)] if pairs else None
+
+
 def summarize(model: str, results: dict[str, ConfigResult], bf16_per_token: float) -> dict[str, Any]:
     """The figures the tables and plots show, from the raw runs."""
     reference = results.get("bf16")
@@ -342,6 +356,7 @@ def summarize(model: str, results: dict[str, ConfigResult], bf16_per_token: floa
                 a["output_ids"] == b["output_ids"]
                 for a, b in zip(res.accuracy, reference.accuracy, strict=True)
             )
+            row["latency_outputs_equal_to_bf16"] = latency_outputs_equal(res, reference)
         row["accuracy"] = (
             sum(a["correct"] for a in res.accuracy) / len(res.accuracy) if res.accuracy else None
         )
@@ -403,15 +418,20 @@ def print_tables(summary: dict[str, Any], plan: dict[str, Any]) -> None:
                 cells += [spec, f"{p['decode_pace_s']['median']:.3f}"]
                 print(f"| {name} | {p['kv_bytes'] / 1e6:.1f} | " + " | ".join(cells) + " |")
     print(f"\n## {summary['model']}: agreement and accuracy")
-    print("| config | greedy outputs = BF16 | tokens to 1st difference | retrieval right | answers = BF16 |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| config | greedy outputs = BF16 | tokens to 1st difference | timed outputs = BF16 "
+        "| retrieval right | answers = BF16 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         if row["error"]:
             continue
         agree = row.get("agreement", {})
+        timed = row.get("latency_outputs_equal_to_bf16")
         print(
             f"| {name} | {agree.get('identical_outputs', float('nan')):.2f} | "
             f"{agree.get('tokens_before_first_difference', float('nan')):.2f} | "
+            f"{f'{timed[0]}/{timed[1]}' if timed else 'not kept'} | "
             f"{row['accuracy'] if row['accuracy'] is None else round(row['accuracy'], 2)} | "
             f"{row.get('accuracy_equal_to_bf16', '')}/{row['accuracy_items']} |"
         )

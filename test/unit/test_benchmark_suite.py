@@ -97,8 +97,9 @@ def test_retrieval_items_plant_the_passcode_at_each_depth(suite: ModuleType, tin
         suite.retrieval_items(tokenizer, passages, [100_000], [0.5], seed=7)
 
 
-def _run(ttft: float, per_token: float, gen: int, lynx: dict | None) -> dict:
-    return {"prompt_tokens": 100, "token_times": [ttft + per_token * i for i in range(gen)], "lynx": lynx}
+def _run(ttft: float, per_token: float, gen: int, lynx: dict | None, output: list[int] | None = None) -> dict:
+    run = {"prompt_tokens": 100, "token_times": [ttft + per_token * i for i in range(gen)], "lynx": lynx}
+    return run if output is None else {**run, "output_ids": output}
 
 
 def _results(suite: ModuleType) -> dict:
@@ -110,11 +111,13 @@ def _results(suite: ModuleType) -> dict:
         "residual_latency_s": 1.5,
         "speculation": {"held": 4, "accepted": 3},
     }
-    bf16 = suite.ConfigResult("bf16", latency={"20mbit": {"512": [_run(2.0, 0.1, 128, None)] * 2}})
+    bf16_runs = [_run(2.0, 0.1, 128, None, [5, 6]), _run(2.0, 0.1, 128, None, [5, 7])]
+    bf16 = suite.ConfigResult("bf16", latency={"20mbit": {"512": bf16_runs}})
     bf16.agreement_outputs = [[1, 2, 3], [4, 5, 6]]
     bf16.accuracy = [{"correct": True, "output_ids": [7]}, {"correct": False, "output_ids": [8]}]
     bf16.load = {"2": [{**_run(1.0, 0.1, 32, None), "sent_s": 0.0, "done_s": 4.0}] * 2}
-    spec = suite.ConfigResult("lynx-speculative", latency={"20mbit": {"512": [_run(1.0, 0.2, 128, lynx)]}})
+    spec_runs = [_run(1.0, 0.2, 128, lynx, [5, 6]), _run(1.0, 0.2, 128, lynx, [5, 8])]
+    spec = suite.ConfigResult("lynx-speculative", latency={"20mbit": {"512": spec_runs}})
     spec.agreement_outputs = [[1, 2, 3], [4, 9, 6]]
     spec.accuracy = [{"correct": True, "output_ids": [7]}, {"correct": True, "output_ids": [9]}]
     fp8 = suite.ConfigResult("fp8", error="ValueError: no AMX")
@@ -131,7 +134,7 @@ def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: Mo
     assert point["decode_pace_s"]["median"] == pytest.approx(0.2)
     assert rows["bf16"]["points"]["20mbit/512"]["decode_pace_s"]["median"] == pytest.approx(0.1)
     assert point["kv_bytes"] == 1000 and rows["bf16"]["points"]["20mbit/512"]["kv_bytes"] == 1000
-    assert point["held"] == 4 and point["accepted"] == 3 and point["anchor_landed_s"]["median"] == 0.5
+    assert point["held"] == 8 and point["accepted"] == 6 and point["anchor_landed_s"]["median"] == 0.5
     assert len(point["curve"]) == 128
     assert rows["lynx-speculative"]["agreement"] == {
         "identical_outputs": 0.5,
@@ -141,6 +144,8 @@ def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: Mo
         rows["lynx-speculative"]["accuracy"] == 1.0
         and rows["lynx-speculative"]["accuracy_equal_to_bf16"] == 1
     )
+    # the timed requests' outputs, prompt by prompt and link by link: one of two equal
+    assert rows["lynx-speculative"]["latency_outputs_equal_to_bf16"] == [1, 2]
     load = rows["bf16"]["load"]["2"]
     assert load["ttft_p50"] == 1.0 and load["tokens_per_s"] == pytest.approx(2 * 32 / 4.0)
     assert load["anchor_p50"] is None
@@ -180,7 +185,7 @@ def test_resummarize_rebuilds_a_runs_summaries_tables_and_plots_from_its_raw_run
     rows = {r["config"]: r for r in summary["rows"]}
     assert rows["lynx-speculative"]["points"]["20mbit/512"]["decode_pace_s"]["median"] == pytest.approx(0.2)
     out = capsys.readouterr().out
-    assert "| decode s/token |" in out and "| 4/3 | 0.200 |" in out
+    assert "| decode s/token |" in out and "| 8/6 | 0.200 |" in out
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "m-bits-bytes.png",
         "m-load.png",
