@@ -76,12 +76,14 @@ from lynx.verify import (
     SpeculationReport,
     SpeculationStats,
     WindowEstimator,
+    acceptance_draws,
     agree,
     committed_logprobs,
     decide,
     held_tokens_problem,
     kv_after_commit,
     report,
+    row_rejects,
     speculation_window,
     unverifiable_because,
 )
@@ -477,8 +479,8 @@ class SpeculativeDecoder:
             self._spec(req).held.verifying()
         verified, verify_s = self._verify_forward(scheduler, self._checked_for_verification(scheduler, reqs))
         commit_started = time.monotonic()
-        for req, rows in verified:
-            self._decide_and_commit(scheduler, req, rows, verify_s)
+        for req, rows, draws in verified:
+            self._decide_and_commit(scheduler, req, rows, draws, verify_s)
         self.stats.commit_seconds += time.monotonic() - commit_started
 
     def _checked_for_verification(self, scheduler: Any, reqs: list[Any]) -> list[Any]:
@@ -500,22 +502,38 @@ class SpeculativeDecoder:
 
     def _verify_forward(
         self, scheduler: Any, checked: list[Any]
-    ) -> tuple[list[tuple[Any, torch.Tensor | None]], float]:
+    ) -> tuple[list[tuple[Any, torch.Tensor | None, torch.Tensor | None]], float]:
         """The verify pass over the requests that hold tokens; returns each request left to
-        decide with its logit rows (None: it holds nothing), and the pass's seconds. If the
-        pass raises (a bug, a device fault), the requests in it fail and the server serves
-        on."""
+        decide with its logit rows (None: it holds nothing) and its acceptance draws (a
+        sampled request's), and the pass's seconds. A request's rows end at its first
+        rejection (:func:`lynx.verify.decision.row_rejects`). If the pass raises (a bug, a
+        device fault), the requests in it fail and the server serves on."""
         drafted = [req for req in checked if len(req.output_ids) > 1]
-        undrafted: list[tuple[Any, torch.Tensor | None]] = [
-            (req, None) for req in checked if len(req.output_ids) <= 1
+        undrafted: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = [
+            (req, None, None) for req in checked if len(req.output_ids) <= 1
         ]
         if not drafted:
             return undrafted, 0.0
+        specs = [self._spec(r) for r in drafted]
+        draws = [acceptance_draws(spec.held.tokens, spec.sampling, self._generator) for spec in specs]
+
+        def stop(n: int, i: int, row: torch.Tensor) -> bool:
+            held = specs[n].held
+            return row_rejects(
+                i,
+                row,
+                held.tokens,
+                specs[n].sampling,
+                draft_probs=held.draft_probs,
+                draws=draws[n],
+                tolerance=self.tolerance,
+            )
+
         started = time.monotonic()
         try:
-            prompt_lens = [self._spec(r).prompt_len for r in drafted]
+            prompt_lens = [spec.prompt_len for spec in specs]
             logits = upstream.run_verify_forward(
-                scheduler, drafted, prompt_lens, in_steps=self.verify_in_steps
+                scheduler, drafted, prompt_lens, in_steps=self.verify_in_steps, stop=stop
             )
         except Exception as exc:
             logger.exception("Lynx: the verify forward of %d requests failed", len(drafted))
@@ -525,11 +543,16 @@ class SpeculativeDecoder:
         verify_s = time.monotonic() - started
         self.stats.verify_passes += 1
         self.stats.verify_seconds += verify_s
-        rows_of = {id(req): rows for req, rows in zip(drafted, logits, strict=True)}
-        return [(req, rows_of.get(id(req))) for req in checked], verify_s
+        verified = {id(req): (rows, d) for req, rows, d in zip(drafted, logits, draws, strict=True)}
+        return [(req, *verified.get(id(req), (None, None))) for req in checked], verify_s
 
     def _decide_and_commit(
-        self, scheduler: Any, req: Any, rows: torch.Tensor | None, verify_s: float
+        self,
+        scheduler: Any,
+        req: Any,
+        rows: torch.Tensor | None,
+        draws: torch.Tensor | None,
+        verify_s: float,
     ) -> None:
         """Accept the held prefix the verify rows agree with, commit it with the
         correction, report, and hand the request back to the decode loop."""
@@ -541,6 +564,7 @@ class SpeculativeDecoder:
                 spec.sampling,
                 draft_probs=spec.held.draft_probs,
                 generator=self._generator,
+                draws=draws,
                 tolerance=self.tolerance,
             )
             logprobs = (

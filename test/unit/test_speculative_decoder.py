@@ -6,6 +6,7 @@ commit and rollback. The real objects are exercised end to end in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -126,15 +127,30 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     verify_logits: list[torch.Tensor] = []
     forwarded: list[list[str]] = []
     in_steps_asked: list[bool] = []
+    rows_computed: list[list[int]] = []
 
     def verify_forward(
-        scheduler: Any, reqs: list[Any], lens: list[int], *, in_steps: bool
+        scheduler: Any,
+        reqs: list[Any],
+        lens: list[int],
+        *,
+        in_steps: bool,
+        stop: Callable[[int, int, torch.Tensor], bool] | None = None,
     ) -> list[torch.Tensor]:
+        """Upstream's verify pass as the decoder sees it: the queued rows, in steps ended
+        by ``stop`` as the real pass ends them."""
         forwarded.append([req.rid for req in reqs])
         in_steps_asked.append(in_steps)
         if verify_logits and isinstance(verify_logits[0], Exception):
             raise verify_logits[0]
-        return list(verify_logits)
+        out = list(verify_logits)
+        if in_steps and stop is not None:
+            out = [
+                rows[: next((i + 1 for i in range(len(rows)) if stop(n, i, rows[i])), len(rows))]
+                for n, rows in enumerate(out)
+            ]
+        rows_computed.append([len(rows) for rows in out])
+        return out
 
     monkeypatch.setattr(upstream, "run_verify_forward", verify_forward)
     monkeypatch.setattr(upstream, "returns_original_logprobs", lambda: False)
@@ -149,6 +165,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         logits=verify_logits,
         forwarded=forwarded,
         in_steps_asked=in_steps_asked,
+        rows_computed=rows_computed,
     )
 
 
@@ -192,8 +209,11 @@ def test_verification_commits_the_accepted_prefix_and_the_correction(world: Simp
     assert (speculation["held"], speculation["accepted"], speculation["rejected"]) == (3, 1, True)
     assert speculation["park_reason"] == ParkReason.CAP.value and speculation["window"] == 3
     assert speculation["rejection_gap"] == pytest.approx(5.0)
+    # the pass stopped at the rejected row: the third held token cost no decode step
+    assert world.rows_computed == [[2]] and speculation["verified"] == 2
     stats = world.decoder.stats
     assert (stats.held_tokens, stats.accepted_tokens, stats.rejections, stats.active) == (3, 1, 1, 0)
+    assert stats.agreement_rate == 0.5  # of the 2 rows computed, 1 agreed
     assert world.decoder.speculation_of(req) is None and not world.decoder.holds_tokens(req)
 
 
@@ -499,3 +519,36 @@ def test_a_watermarked_request_is_seen_as_one() -> None:
     assert upstream.sampling_settings(req, vocab=32).watermark
     req.sampling_params.watermark = None
     assert not upstream.sampling_settings(req, vocab=32).watermark
+
+
+def test_the_verify_pass_in_steps_ends_each_requests_rows_at_its_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Upstream's verify pass in decode steps: a request whose row was judged a rejection
+    leaves the next steps' batches; the others go on to their last held token."""
+    from lynx_patches.upstream import verify_forward as module
+
+    steps: list[list[tuple[str, int]]] = []
+
+    def decode_forward(scheduler: Any, rows: list[tuple[Any, int, int]]) -> torch.Tensor:
+        steps.append([(req.rid, i) for req, _, i in rows])
+        return torch.stack([torch.full((VOCAB,), float(i)) for _, _, i in rows])
+
+    monkeypatch.setattr(module, "_decode_forward", decode_forward)
+    short, long = Req("short"), Req("long")
+    for req, held in ((short, 3), (long, 4)):
+        req.output_ids = [7, *range(held)]
+        req.kv.kv_allocated_len = PROMPT + held
+    logits = module.run_verify_forward(
+        None, [short, long], [PROMPT, PROMPT], in_steps=True, stop=lambda n, i, row: n == 0 and i == 1
+    )
+    assert steps == [
+        [("short", 0), ("long", 0)],
+        [("short", 1), ("long", 1)],
+        [("long", 2)],
+        [("long", 3)],
+    ]
+    assert [tuple(rows.shape) for rows in logits] == [(2, VOCAB), (4, VOCAB)]
+    steps.clear()
+    module.run_verify_forward(None, [short, long], [PROMPT, PROMPT], in_steps=True)
+    assert len(steps) == 4 and steps[2] == [("short", 2), ("long", 2)]  # no stop: every row

@@ -11,9 +11,11 @@ from lynx.verify import (
     LogprobRequest,
     ParkReason,
     SamplingSettings,
+    acceptance_draws,
     decide,
     held_tokens_problem,
     report,
+    row_rejects,
     unverifiable_because,
 )
 
@@ -104,6 +106,7 @@ def test_the_report_carries_the_decision() -> None:
         "anchor_to_commit_s": 1.5,
         "verify_s": 0.25,
         "refine_s": 0.0,
+        "verified": 3,
     }
     nothing = report(
         decide([], None, GREEDY), window=8, park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0
@@ -148,3 +151,70 @@ def test_held_tokens_problem_names_what_cannot_be_verified() -> None:
 def test_per_token_outputs_are_unverifiable() -> None:
     settings = SamplingSettings(1.0, 1, 1.0, 0.0, 8, per_token_outputs=True)
     assert "per-token outputs" in str(unverifiable_because(settings))
+
+
+def _judged_row_by_row(held: list[int], logits: torch.Tensor, sampling: SamplingSettings, **rule) -> int:
+    """How many rows a verify pass computes when it stops at :func:`row_rejects`."""
+    for i in range(len(held)):
+        if row_rejects(i, logits[i], held, sampling, **rule):
+            return i + 1
+    return len(held)
+
+
+def test_a_greedy_verify_pass_stops_at_the_first_rejection_and_decides_the_same() -> None:
+    held = [3, 4, 5, 6]
+    logits = logits_choosing(3, 4, 1, 6)  # row 2 rejects; row 3 would agree again
+    rows = _judged_row_by_row(held, logits, GREEDY)
+    assert rows == 3
+    whole, stopped = decide(held, logits, GREEDY), decide(held, logits[:rows], GREEDY)
+    assert (stopped.held, stopped.accepted, stopped.correction) == (
+        whole.held,
+        whole.accepted,
+        whole.correction,
+    )
+    assert stopped.committed(held) == whole.committed(held) == [3, 4, 1]
+    # agreement counts the rows computed: the unjudged tail is unknown, not wrong
+    assert (stopped.verified, stopped.agreed, whole.verified, whole.agreed) == (3, 2, 4, 3)
+    # with a tolerance, each row judges as the whole decision does
+    near = torch.zeros(2, VOCAB)
+    near[0, 3], near[0, 2], near[1, 5] = 2.0, 1.96, 4.0
+    assert _judged_row_by_row([2, 5], near, GREEDY) == 1
+    assert _judged_row_by_row([2, 5], near, GREEDY, tolerance=0.0401) == 2
+
+
+def test_a_sampled_verify_pass_stops_where_its_draws_reject_and_decides_the_same() -> None:
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
+    held = [int(t) for t in torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2))]
+    drafts = list(torch.softmax(torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)), -1))
+    for seed in range(20):
+        draws = acceptance_draws(held, SAMPLED, torch.Generator().manual_seed(seed))
+        assert draws is not None and draws.shape == (6,)
+        rows = _judged_row_by_row(held, logits, SAMPLED, draft_probs=drafts, draws=draws)
+        whole = decide(
+            held, logits, SAMPLED, draft_probs=drafts, draws=draws, generator=torch.Generator().manual_seed(9)
+        )
+        stopped = decide(
+            held,
+            logits[:rows],
+            SAMPLED,
+            draft_probs=drafts,
+            draws=draws,
+            generator=torch.Generator().manual_seed(9),
+        )
+        assert (stopped.accepted, stopped.correction) == (whole.accepted, whole.correction), seed
+        assert rows == (whole.accepted + 1 if whole.rejected else len(held))
+    assert acceptance_draws(held, GREEDY, None) is None
+
+
+def test_rows_that_stopped_without_a_rejection_commit_what_they_verified() -> None:
+    """Should a stopped pass's rows all accept after all (the stop and the decision are
+    the same rule, so only a bug could), the verified prefix is committed with no
+    correction and decoding continues from it: never a token the rows did not check."""
+    decision = decide([3, 4, 5], logits_choosing(3, 4), GREEDY)
+    assert (decision.held, decision.accepted, decision.correction, decision.verified) == (3, 2, None, 2)
+    assert decision.committed([3, 4, 5]) == [3, 4]
+
+
+def test_a_sampled_row_needs_its_draft_and_draw() -> None:
+    with pytest.raises(ValueError, match="draft distributions and acceptance draws"):
+        row_rejects(0, logits_choosing(2)[0], [2], SAMPLED)

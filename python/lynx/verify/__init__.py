@@ -14,12 +14,22 @@
 from lynx.verify.acceptance import (
     VerifyOutcome,
     greedy_agreement,
+    greedy_rejections,
     log_prob_gaps,
+    sampling_rejections,
     verify_greedy,
     verify_sampling,
 )
 from lynx.verify.agreement import RankAgreement, RankDivergenceError, ReduceMin, agree
-from lynx.verify.decision import VerifyDecision, decide, held_tokens_problem, report, unverifiable_because
+from lynx.verify.decision import (
+    VerifyDecision,
+    acceptance_draws,
+    decide,
+    held_tokens_problem,
+    report,
+    row_rejects,
+    unverifiable_because,
+)
 from lynx.verify.logprobs import CommittedLogprobs, LogprobRequest, committed_logprobs
 from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.sampling import SamplingSettings, filter_probs, target_probs
@@ -45,15 +55,19 @@ __all__ = [
     "VerifyDecision",
     "VerifyOutcome",
     "WindowEstimator",
+    "acceptance_draws",
     "agree",
     "committed_logprobs",
     "decide",
     "filter_probs",
     "greedy_agreement",
+    "greedy_rejections",
     "held_tokens_problem",
     "kv_after_commit",
     "log_prob_gaps",
     "report",
+    "row_rejects",
+    "sampling_rejections",
     "speculation_window",
     "target_probs",
     "unverifiable_because",

@@ -66,14 +66,23 @@ def verify_greedy(held: torch.Tensor, full_logits: torch.Tensor, tolerance: floa
     correction after a rejection is still the argmax.
     """
     k = _check(held, full_logits)
-    if tolerance < 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     target = full_logits.argmax(dim=-1)
-    rejected = target[:k] != held if tolerance == 0 else log_prob_gaps(held, full_logits) > tolerance
-    mismatch = rejected.nonzero()
+    mismatch = greedy_rejections(held, full_logits, tolerance).nonzero()
     m = int(mismatch[0]) if mismatch.numel() else k
     tail = [int(target[m])] if m < target.numel() else []
     return VerifyOutcome(held=k, accepted=m, tokens=[*held[:m].tolist(), *tail])
+
+
+def greedy_rejections(held: torch.Tensor, full_logits: torch.Tensor, tolerance: float = 0.0) -> torch.Tensor:
+    """Per held token, whether greedy acceptance (:func:`verify_greedy`) rejects it taken
+    alone; each depends only on its own row, so a verify pass can judge its rows as they
+    come and stop at the first rejection."""
+    k = _check(held, full_logits)
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if tolerance == 0:
+        return full_logits[:k].argmax(dim=-1) != held
+    return log_prob_gaps(held, full_logits) > tolerance
 
 
 def log_prob_gaps(held: torch.Tensor, full_logits: torch.Tensor) -> torch.Tensor:
@@ -92,32 +101,53 @@ def greedy_agreement(held: torch.Tensor, full_logits: torch.Tensor) -> int:
     return int((full_logits[:k].argmax(dim=-1) == held).sum())
 
 
+def sampling_rejections(
+    held: torch.Tensor, draft_probs: torch.Tensor, full_probs: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Per held token, whether the speculative-sampling rule (:func:`verify_sampling`)
+    rejects it taken alone, given its uniform draw ``uniforms[i]``: each depends only on
+    its own rows and draw, so a verify pass can stop at the first rejection."""
+    k = _check(held, full_probs)
+    if draft_probs.shape != (k, full_probs.shape[1]):
+        raise ValueError(f"draft_probs must be ({k}, {full_probs.shape[1]}), got {tuple(draft_probs.shape)}")
+    if uniforms.shape[0] < k:
+        raise ValueError(f"{uniforms.shape[0]} uniform draws for {k} held tokens")
+    rows = torch.arange(k)
+    p_tok, q_tok = (
+        _normalised(full_probs, "full_probs")[rows, held],
+        _normalised(draft_probs, "draft_probs")[rows, held],
+    )
+    if (q_tok <= 0).any():
+        raise ValueError("a held token has zero probability under its own draft distribution")
+    return uniforms[:k].double() * q_tok > p_tok  # u < p/q accepts, without dividing
+
+
+def _normalised(probs: torch.Tensor, name: str) -> torch.Tensor:
+    if not torch.isfinite(probs).all() or (probs < 0).any():
+        raise ValueError(f"{name} must be finite and non-negative")
+    return probs.double() / probs.double().sum(-1, keepdim=True)
+
+
 def verify_sampling(
     held: torch.Tensor,
     draft_probs: torch.Tensor,
     full_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> VerifyOutcome:
     """Speculative-sampling acceptance.
 
     ``draft_probs``: (k, vocab), the Anchor-phase distribution each held token was drawn
     from; ``full_probs``: (k or k + 1, vocab) from the verify pass. Rows need not be normalised
-    exactly (they are renormalised); negative or non-finite entries raise.
+    exactly (they are renormalised); negative or non-finite entries raise. ``uniforms``:
+    the acceptance draws, one per held token, drawn before the verify pass that judged
+    its rows as they came (else drawn here from ``generator``).
     """
     k = _check(held, full_probs)
-    if draft_probs.shape != (k, full_probs.shape[1]):
-        raise ValueError(f"draft_probs must be ({k}, {full_probs.shape[1]}), got {tuple(draft_probs.shape)}")
-    for name, probs in (("draft_probs", draft_probs), ("full_probs", full_probs)):
-        if not torch.isfinite(probs).all() or (probs < 0).any():
-            raise ValueError(f"{name} must be finite and non-negative")
-    q = draft_probs.double() / draft_probs.double().sum(-1, keepdim=True)
-    p = full_probs.double() / full_probs.double().sum(-1, keepdim=True)
-    rows = torch.arange(k)
-    p_tok, q_tok = p[rows, held], q[rows, held]
-    if (q_tok <= 0).any():
-        raise ValueError("a held token has zero probability under its own draft distribution")
-    u = torch.rand(k, generator=generator, dtype=torch.float64)
-    rejected = (u * q_tok > p_tok).nonzero()  # u < p/q accepts, without dividing
+    u = torch.rand(k, generator=generator, dtype=torch.float64) if uniforms is None else uniforms
+    rejected = sampling_rejections(held, draft_probs, full_probs, u).nonzero()
+    p = _normalised(full_probs, "full_probs")
+    q = _normalised(draft_probs, "draft_probs")
     if not rejected.numel():
         bonus = [int(torch.multinomial(p[k], 1, generator=generator))] if p.shape[0] > k else []
         return VerifyOutcome(held=k, accepted=k, tokens=[*held.tolist(), *bonus])

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lynx.verify.acceptance import greedy_agreement, log_prob_gaps, verify_greedy, verify_sampling
+from lynx.verify.acceptance import (
+    greedy_agreement,
+    greedy_rejections,
+    log_prob_gaps,
+    sampling_rejections,
+    verify_greedy,
+    verify_sampling,
+)
 from lynx.verify.sampling import SamplingSettings, target_probs
 from lynx.verify.state import ParkReason
 from lynx.verify.stats import SpeculationReport
@@ -69,7 +76,10 @@ class VerifyDecision:
     held: int
     accepted: int
     correction: int | None
-    agreed: int | None  # greedy: held tokens equal to the full-precision argmax (teacher-forced)
+    # greedy: of the ``verified`` rows, those whose held token is the full-precision argmax
+    # (teacher-forced on the draft)
+    agreed: int | None
+    verified: int = 0  # verify rows computed: the pass stops a request's rows at a rejection
     # greedy, after a rejection: the rejected token's log-probability gap to the best one
     # (near 0: a near-tie the kernels break either way; large: the Anchor misled the draft)
     rejection_gap: float | None = None
@@ -83,6 +93,37 @@ class VerifyDecision:
         return [*held[: self.accepted], *([] if self.correction is None else [self.correction])]
 
 
+def acceptance_draws(
+    held: Sequence[int], sampling: SamplingSettings, generator: torch.Generator | None
+) -> torch.Tensor | None:
+    """A sampled request's uniform acceptance draws, one per held token, drawn before its
+    verify pass so that :func:`row_rejects` and :func:`decide` judge each row alike;
+    None for a greedy request (its rule draws nothing)."""
+    return None if sampling.greedy else torch.rand(len(held), generator=generator, dtype=torch.float64)
+
+
+def row_rejects(
+    i: int,
+    row: torch.Tensor,
+    held: Sequence[int],
+    sampling: SamplingSettings,
+    *,
+    draft_probs: Sequence[torch.Tensor] | None = None,
+    draws: torch.Tensor | None = None,
+    tolerance: float = 0.0,
+) -> bool:
+    """Whether verify row ``i`` (the (vocab,) logits predicting held token ``i``) rejects
+    that token by the rule :func:`decide` applies to it: the verify pass computes that
+    request's rows no further (the rest would be rolled back whatever they say)."""
+    token = torch.tensor([held[i]], dtype=torch.int64)
+    if sampling.greedy:
+        return bool(greedy_rejections(token, row[None], tolerance)[0])
+    if draft_probs is None or draws is None:
+        raise ValueError("a sampled request needs its draft distributions and acceptance draws")
+    draft = draft_probs[i][None].float().cpu()
+    return bool(sampling_rejections(token, draft, target_probs(row[None], sampling), draws[i : i + 1])[0])
+
+
 def decide(
     held: Sequence[int],
     logits: torch.Tensor | None,
@@ -90,21 +131,28 @@ def decide(
     *,
     draft_probs: Sequence[torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
+    draws: torch.Tensor | None = None,
     tolerance: float = 0.0,
 ) -> VerifyDecision:
     """Verify ``held`` (tokens decoded on the Anchor after ``t_0``) against ``logits``,
-    the verify pass's (k, vocab) rows on the refined KV (row i predicts held token i).
+    the verify pass's (m, vocab) rows on the refined KV (row i predicts held token i).
 
     ``logits`` None: the request holds no token (nothing to verify). Greedy requests keep
     the longest prefix equal to the argmax; sampled ones follow the speculative-sampling
     rule with ``draft_probs`` (the distribution each held token was drawn from) against
-    :func:`lynx.verify.sampling.target_probs` of ``logits``.
-    ``tolerance`` > 0 relaxes greedy acceptance (:func:`lynx.verify.verify_greedy`)."""
+    :func:`lynx.verify.sampling.target_probs` of ``logits``, with ``draws`` (from
+    :func:`acceptance_draws`; else drawn from ``generator``).
+    ``tolerance`` > 0 relaxes greedy acceptance (:func:`lynx.verify.verify_greedy`).
+
+    m < k rows: the pass stopped at a rejection (:func:`row_rejects`); the held tokens past
+    row m - 1 are rolled back unjudged. Should those rows all accept after all, the first m
+    are committed with no correction, which the next decode step continues from."""
     if logits is None:
         if held:
             raise ValueError(f"{len(held)} held tokens but no verify logits")
         return VerifyDecision(held=0, accepted=0, correction=None, agreed=None)
-    tokens = torch.tensor(list(held), dtype=torch.int64)
+    verified = min(logits.shape[0], len(held))
+    tokens = torch.tensor(list(held[:verified]), dtype=torch.int64)
     gap = None
     if sampling.greedy:
         outcome = verify_greedy(tokens, logits, tolerance)
@@ -116,14 +164,20 @@ def decide(
             raise ValueError("a sampled request needs the draft distribution of every held token")
         outcome = verify_sampling(
             tokens,
-            torch.stack(list(draft_probs)).float().cpu(),
+            torch.stack(list(draft_probs[:verified])).float().cpu(),
             target_probs(logits, sampling),
             generator=generator,
+            uniforms=draws,
         )
         agreed = None
     correction = outcome.tokens[-1] if outcome.rejected else None
     return VerifyDecision(
-        held=outcome.held, accepted=outcome.accepted, correction=correction, agreed=agreed, rejection_gap=gap
+        held=len(held),
+        accepted=outcome.accepted,
+        correction=correction,
+        agreed=agreed,
+        verified=verified,
+        rejection_gap=gap,
     )
 
 
@@ -149,4 +203,5 @@ def report(
         anchor_to_commit_s=anchor_to_commit_s,
         verify_s=verify_s,
         refine_s=refine_s,
+        verified=decision.verified,
     )

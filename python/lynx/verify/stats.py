@@ -15,13 +15,15 @@ class SpeculationReport:
     held: int  # tokens decoded on Anchor KV and held back
     window: int  # most tokens it was allowed to hold (lynx.verify.window)
     accepted: int  # of those, committed after verification
-    agreed: int | None  # greedy: held tokens equal to the full-precision argmax at their position
+    # greedy: of the verified rows, held tokens equal to the full-precision argmax there
+    agreed: int | None
     rejected: bool  # a held token was wrong: the rest was rolled back, one token corrected
     rejection_gap: float | None  # greedy: log-probability gap of the rejected token to the best
     park_reason: str | None
     anchor_to_commit_s: float  # first decode on the Anchor -> tokens committed
     verify_s: float  # the verify forward this request was part of
     refine_s: float  # rewriting its prompt KV at full precision
+    verified: int = 0  # verify rows computed: up to and including the first rejection
 
 
 @dataclass
@@ -30,8 +32,8 @@ class SpeculationStats:
     waited: int = 0  # requests that waited for the Residual (sampling settings Lynx cannot verify)
     held_tokens: int = 0
     accepted_tokens: int = 0
-    greedy_held_tokens: int = 0
-    agreed_tokens: int = 0  # greedy held tokens equal to the full-precision argmax (teacher-forced)
+    greedy_verified_rows: int = 0  # verify rows of greedy requests (each stops at a rejection)
+    agreed_tokens: int = 0  # of those, held tokens equal to the full-precision argmax (teacher-forced)
     rejections: int = 0  # requests with at least one rejected held token
     # greedy rejections by the rejected token's log-probability gap to the best one
     rejections_tied: int = 0  # an exact tie (gap 0) the argmax broke the other way
@@ -54,7 +56,7 @@ class SpeculationStats:
 
     @property
     def agreement_rate(self) -> float | None:
-        return self.agreed_tokens / self.greedy_held_tokens if self.greedy_held_tokens else None
+        return self.agreed_tokens / self.greedy_verified_rows if self.greedy_verified_rows else None
 
     def record(self, report: SpeculationReport) -> None:
         self.held_tokens += report.held
@@ -69,5 +71,5 @@ class SpeculationStats:
             else:
                 self.rejections_far += 1
         if report.agreed is not None:
-            self.greedy_held_tokens += report.held
+            self.greedy_verified_rows += report.verified
             self.agreed_tokens += report.agreed

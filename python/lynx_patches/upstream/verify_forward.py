@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,10 +56,16 @@ def next_token_logits(logits_output: Any) -> torch.Tensor:
 
 @relies(attribute(REQ, "rid"), attribute(REQ, "output_ids"))
 def run_verify_forward(
-    scheduler: Any, reqs: Sequence[Any], prompt_lens: Sequence[int], *, in_steps: bool
+    scheduler: Any,
+    reqs: Sequence[Any],
+    prompt_lens: Sequence[int],
+    *,
+    in_steps: bool,
+    stop: Callable[[int, int, torch.Tensor], bool] | None = None,
 ) -> list[torch.Tensor]:
     """Verify the held tokens of ``reqs`` on the decode path and return each request's
-    (k, vocab) float32 CPU logits, k = its output length - 1.
+    (k, vocab) float32 CPU logits, k = its output length - 1 (fewer where ``stop`` ended
+    its rows).
 
     Row i of a request feeds ``t_i`` at position ``prompt_len + i`` into its KV slot there
     and attends to the request's KV up to and including that slot: what decode step i
@@ -69,7 +75,9 @@ def run_verify_forward(
     forward i, one row per request, so each row is computed by the very kernels, shapes
     and reduction orders of the decode step that would have produced it without
     speculation: its logits and the KV it writes are that step's, bit for bit, whatever
-    the kernels (one decode step per held token). Otherwise (``batched``) every row of
+    the kernels (one decode step per held token), and ``stop(n, i, row)`` True ends request
+    n's rows at row i: its later held tokens are rolled back whatever they say, so they
+    cost no step. Otherwise (``batched``) every row of
     every request runs in ONE decode forward: the linear layers see all rows at once and,
     on the CPU backend, a request's rows attend in one masked call
     (:mod:`lynx_patches.torch_native_backend`); a few decode steps' cost, equal to the
@@ -92,11 +100,16 @@ def run_verify_forward(
     if not in_steps:
         return list(_decode_forward(scheduler, rows).split(held))
     per_req: list[list[torch.Tensor]] = [[] for _ in reqs]
+    live = list(range(len(reqs)))
     for step in range(max(held)):
-        live = [n for n, k in enumerate(held) if k > step]
+        live = [n for n in live if held[n] > step]
+        if not live:
+            break
         logits = _decode_forward(scheduler, [(reqs[n], prompt_lens[n], step) for n in live])
         for n, row in zip(live, logits, strict=True):
             per_req[n].append(row)
+        if stop is not None:
+            live = [n for n, row in zip(live, logits, strict=True) if not stop(n, step, row)]
     return [torch.stack(rows_of_req) for rows_of_req in per_req]
 
 
