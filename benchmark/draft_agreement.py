@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from codec_accuracy import SKIP_TOKENS, make_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lynx.codec import CodecConfig, decode, encode
+from lynx.verify import bf16_ulp
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITHMETICS = ("fp32", "bf16", "bf16+fp32-logits")
@@ -60,13 +60,6 @@ class Draft:
     @property
     def name(self) -> str:
         return f"{self.bits}-bit, protect last {self.protect_last}"
-
-
-def bf16_ulp(value: float) -> float:
-    """The BF16 unit in the last place at ``value`` (8 significant bits)."""
-    if value == 0.0:
-        return 2.0**-133
-    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
 
 
 class Decoder:

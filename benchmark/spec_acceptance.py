@@ -15,7 +15,8 @@ serves the same prompts as the reference. From each response's
 * agreement: held tokens equal to the full-precision argmax at their position, given the
   held tokens before them (teacher-forced on the draft);
 * rejections by the rejected token's log-probability gap to the best one: an exact tie,
-  a near-tie (< 0.125: numerics more than Anchor error) or a real miss (>= 0.125), and
+  a near-tie (at most one BF16 ulp of the best logit: a tie BF16 logits cannot resolve)
+  or a real miss (more), and
   the real misses as a share of held positions;
 * vs BF16: the share of the greedy outputs identical to plain BF16 PD's, and of the tokens
   before the first difference.
@@ -44,7 +45,7 @@ from lynx.codec import CodecConfig, KVLayout
 from lynx.mode import Mode
 from lynx.transfer import Handshake, RequestLayout
 from lynx.transfer.protocol import protection_cost
-from lynx.verify import NEAR_TIE_GAP
+from lynx.verify import NEAR_TIE_GAP, NEAR_TIE_ULPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,8 +102,16 @@ def summarize(answers: list[dict], reference: list[list[int]]) -> dict[str, Any]
     held = sum(r.get("held", 0) for r in reports)
     accepted = sum(r.get("accepted", 0) for r in reports)
     agreed = sum(r.get("agreed") or 0 for r in reports)
-    gaps = [r["rejection_gap"] for r in reports if r.get("rejection_gap") is not None]
-    far = sum(1 for g in gaps if g >= NEAR_TIE_GAP)
+    # in BF16 ulps of the best logit where the report has them (NEAR_TIE_GAP is one ulp
+    # only for logits of 16-32)
+    gaps = [
+        (r["rejection_gap_ulps"], NEAR_TIE_ULPS)
+        if r.get("rejection_gap_ulps") is not None
+        else (r["rejection_gap"], NEAR_TIE_GAP)
+        for r in reports
+        if r.get("rejection_gap") is not None
+    ]
+    far = sum(1 for g, near in gaps if g > near)
     outputs = [a["output_ids"] for a in answers]
     return {
         "requests": len(reports),
@@ -112,8 +121,8 @@ def summarize(answers: list[dict], reference: list[list[int]]) -> dict[str, Any]
         "agreement": agreed / held if held else None,
         "fully_accepted": sum(1 for r in reports if r.get("held") and not r.get("rejected")) / len(reports),
         "rejections": {
-            "tie": sum(1 for g in gaps if g == 0.0),
-            "near_tie": sum(1 for g in gaps if 0.0 < g < NEAR_TIE_GAP),
+            "tie": sum(1 for g, _ in gaps if g == 0.0),
+            "near_tie": sum(1 for g, near in gaps if 0.0 < g <= near),
             "far": far,
         },
         "far_rejections_per_held": far / held if held else None,

@@ -11,7 +11,9 @@ from lynx.verify import (
     LogprobRequest,
     ParkReason,
     SamplingSettings,
+    SpeculationStats,
     acceptance_draws,
+    bf16_ulp,
     decide,
     held_tokens_problem,
     report,
@@ -107,6 +109,7 @@ def test_the_report_carries_the_decision() -> None:
         "verify_s": 0.25,
         "refine_s": 0.0,
         "verified": 3,
+        "rejection_gap_ulps": pytest.approx(5.0 / 0.03125),  # the best logit 5.0: ulp 2**-5
     }
     nothing = report(
         decide([], None, GREEDY), window=8, park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0
@@ -218,3 +221,38 @@ def test_rows_that_stopped_without_a_rejection_commit_what_they_verified() -> No
 def test_a_sampled_row_needs_its_draft_and_draw() -> None:
     with pytest.raises(ValueError, match="draft distributions and acceptance draws"):
         row_rejects(0, logits_choosing(2)[0], [2], SAMPLED)
+
+
+@pytest.mark.parametrize(
+    ("best", "gap", "ulps", "counted_as"),
+    [
+        (3.0, 0.0, 0.0, "tied"),
+        (20.0, 0.125, 1.0, "near_tie"),  # one ulp at 16-32: the smallest gap BF16 logits show
+        (5.0, 0.03125, 1.0, "near_tie"),  # one ulp at 4-8 is 1/32
+        (5.0, 0.125, 4.0, "far"),  # the same 0.125 is 4 ulps there
+        (20.0, 0.5, 4.0, "far"),
+    ],
+)
+def test_rejections_are_judged_in_bf16_ulps_of_the_best_logit(
+    best: float, gap: float, ulps: float, counted_as: str
+) -> None:
+    logits = torch.full((1, VOCAB), -30.0)
+    logits[0, 1], logits[0, 6] = best, best - gap  # held token 6, the argmax 1
+    decision = decide([6], logits, GREEDY)
+    assert decision.rejection_gap == pytest.approx(gap) and decision.rejection_gap_ulps == pytest.approx(ulps)
+    stats = SpeculationStats()
+    stats.record(report(decision, window=4, park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0))
+    counts = {
+        "tied": stats.rejections_tied,
+        "near_tie": stats.rejections_near_tie,
+        "far": stats.rejections_far,
+    }
+    assert counts == {name: int(name == counted_as) for name in counts}
+
+
+def test_bf16_ulp_is_the_gap_to_the_next_bf16_number() -> None:
+    for value in (0.3, 1.0, 5.0, 17.5, -20.0, 300.0, 1e-30):
+        x = torch.tensor(abs(value), dtype=torch.bfloat16)
+        following = (x.view(torch.int16) + 1).view(torch.bfloat16)  # the next BF16 number up
+        assert bf16_ulp(value) == float(following.float() - x.float()), value
+    assert bf16_ulp(0.0) > 0 and bf16_ulp(float("nan")) > 0

@@ -13,6 +13,7 @@
 
 from lynx.verify.acceptance import (
     VerifyOutcome,
+    bf16_ulp,
     greedy_agreement,
     greedy_rejections,
     log_prob_gaps,
@@ -34,11 +35,12 @@ from lynx.verify.logprobs import CommittedLogprobs, LogprobRequest, committed_lo
 from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.sampling import SamplingSettings, filter_probs, target_probs
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
-from lynx.verify.stats import NEAR_TIE_GAP, SpeculationReport, SpeculationStats
+from lynx.verify.stats import NEAR_TIE_GAP, NEAR_TIE_ULPS, SpeculationReport, SpeculationStats
 from lynx.verify.window import WindowEstimator, speculation_window
 
 __all__ = [
     "NEAR_TIE_GAP",
+    "NEAR_TIE_ULPS",
     "SPEC_TRANSITIONS",
     "CommittedLogprobs",
     "HeldTokens",
@@ -57,6 +59,7 @@ __all__ = [
     "WindowEstimator",
     "acceptance_draws",
     "agree",
+    "bf16_ulp",
     "committed_logprobs",
     "decide",
     "filter_probs",

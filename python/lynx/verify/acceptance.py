@@ -23,6 +23,7 @@ the verify pass are the caller's to refuse (they wait for the Residual instead).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,15 @@ def log_prob_gaps(held: torch.Tensor, full_logits: torch.Tensor) -> torch.Tensor
     k = _check(held, full_logits)
     logp = torch.log_softmax(full_logits[:k].double(), dim=-1)
     return logp.max(dim=-1).values - logp[torch.arange(k), held]
+
+
+def bf16_ulp(value: float) -> float:
+    """BF16's unit in the last place at ``value`` (8 significant bits): the smallest gap two
+    BF16 logits of that size can show. A greedy rejection whose gap is at most one is a
+    near-tie that BF16 rounding decides, not a draft the Anchor misled."""
+    if value == 0.0 or not math.isfinite(value):
+        return 2.0**-133  # BF16's smallest subnormal
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
 
 
 def greedy_agreement(held: torch.Tensor, full_logits: torch.Tensor) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lynx.verify.acceptance import (
+    bf16_ulp,
     greedy_agreement,
     greedy_rejections,
     log_prob_gaps,
@@ -81,8 +82,10 @@ class VerifyDecision:
     agreed: int | None
     verified: int = 0  # verify rows computed: the pass stops a request's rows at a rejection
     # greedy, after a rejection: the rejected token's log-probability gap to the best one
-    # (near 0: a near-tie the kernels break either way; large: the Anchor misled the draft)
+    # (near 0: a near-tie the kernels break either way; large: the Anchor misled the draft),
+    # and that gap in BF16 ulps of the best logit (<= 1: a tie BF16 logits cannot resolve)
     rejection_gap: float | None = None
+    rejection_gap_ulps: float | None = None
 
     @property
     def rejected(self) -> bool:
@@ -153,12 +156,13 @@ def decide(
         return VerifyDecision(held=0, accepted=0, correction=None, agreed=None)
     verified = min(logits.shape[0], len(held))
     tokens = torch.tensor(list(held[:verified]), dtype=torch.int64)
-    gap = None
+    gap = gap_ulps = None
     if sampling.greedy:
         outcome = verify_greedy(tokens, logits, tolerance)
         agreed: int | None = greedy_agreement(tokens, logits)
         if outcome.rejected:
             gap = float(log_prob_gaps(tokens, logits)[outcome.accepted])
+            gap_ulps = gap / bf16_ulp(float(logits[outcome.accepted].max()))
     else:
         if draft_probs is None or len(draft_probs) != len(held):
             raise ValueError("a sampled request needs the draft distribution of every held token")
@@ -178,6 +182,7 @@ def decide(
         agreed=agreed,
         verified=verified,
         rejection_gap=gap,
+        rejection_gap_ulps=gap_ulps,
     )
 
 
@@ -199,6 +204,7 @@ def report(
         agreed=decision.agreed,
         rejected=decision.rejected,
         rejection_gap=decision.rejection_gap,
+        rejection_gap_ulps=decision.rejection_gap_ulps,
         park_reason=None if park_reason is None else park_reason.value,
         anchor_to_commit_s=anchor_to_commit_s,
         verify_s=verify_s,

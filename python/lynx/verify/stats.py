@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NEAR_TIE_GAP = 0.125  # log-probability: one bf16 rounding step of a logit around 16-32
+# A rejection at most this many BF16 ulps of the best logit below it is a near-tie; where
+# the logits are at hand (the verify pass) the gap is judged in ulps, which holds at any
+# logit size (NEAR_TIE_GAP is one ulp only for logits of 16-32).
+NEAR_TIE_ULPS = 1.0
 
 
 @dataclass
@@ -24,6 +28,7 @@ class SpeculationReport:
     verify_s: float  # the verify forward this request was part of
     refine_s: float  # rewriting its prompt KV at full precision
     verified: int = 0  # verify rows computed: up to and including the first rejection
+    rejection_gap_ulps: float | None = None  # that gap in BF16 ulps of the best logit
 
 
 @dataclass
@@ -35,10 +40,11 @@ class SpeculationStats:
     greedy_verified_rows: int = 0  # verify rows of greedy requests (each stops at a rejection)
     agreed_tokens: int = 0  # of those, held tokens equal to the full-precision argmax (teacher-forced)
     rejections: int = 0  # requests with at least one rejected held token
-    # greedy rejections by the rejected token's log-probability gap to the best one
+    # greedy rejections by the rejected token's gap to the best one, in BF16 ulps of the
+    # best logit (lynx.verify.acceptance.bf16_ulp)
     rejections_tied: int = 0  # an exact tie (gap 0) the argmax broke the other way
-    rejections_near_tie: int = 0  # 0 < gap < NEAR_TIE_GAP: numerics more than Anchor error
-    rejections_far: int = 0  # gap >= NEAR_TIE_GAP
+    rejections_near_tie: int = 0  # 0 < gap <= 1 ulp: BF16 logits cannot tell them apart
+    rejections_far: int = 0  # more than 1 ulp
     verify_passes: int = 0
     verify_seconds: float = 0.0  # verify forwards
     refine_seconds: float = 0.0  # prompt KV rewritten at full precision
@@ -62,11 +68,11 @@ class SpeculationStats:
         self.held_tokens += report.held
         self.accepted_tokens += report.accepted
         self.rejections += report.rejected
-        gap = report.rejection_gap
+        gap = report.rejection_gap_ulps
         if gap is not None:
             if gap == 0.0:
                 self.rejections_tied += 1
-            elif gap < NEAR_TIE_GAP:
+            elif gap <= NEAR_TIE_ULPS:
                 self.rejections_near_tie += 1
             else:
                 self.rejections_far += 1
