@@ -112,16 +112,16 @@ def greedy_agreement(held: torch.Tensor, full_logits: torch.Tensor) -> int:
 
 
 def sampling_rejections(
-    held: torch.Tensor, draft_probs: torch.Tensor, full_probs: torch.Tensor, uniforms: torch.Tensor
+    held: torch.Tensor, draft_probs: torch.Tensor, full_probs: torch.Tensor, draws: torch.Tensor
 ) -> torch.Tensor:
     """Per held token, whether the speculative-sampling rule (:func:`verify_sampling`)
-    rejects it taken alone, given its uniform draw ``uniforms[i]``: each depends only on
+    rejects it taken alone, given its uniform draw ``draws[i]``: each depends only on
     its own rows and draw, so a verify pass can stop at the first rejection."""
     k = _check(held, full_probs)
     if draft_probs.shape != (k, full_probs.shape[1]):
         raise ValueError(f"draft_probs must be ({k}, {full_probs.shape[1]}), got {tuple(draft_probs.shape)}")
-    if uniforms.shape[0] < k:
-        raise ValueError(f"{uniforms.shape[0]} uniform draws for {k} held tokens")
+    if draws.shape[0] < k:
+        raise ValueError(f"{draws.shape[0]} uniform draws for {k} held tokens")
     rows = torch.arange(k)
     p_tok, q_tok = (
         _normalised(full_probs, "full_probs")[rows, held],
@@ -129,7 +129,7 @@ def sampling_rejections(
     )
     if (q_tok <= 0).any():
         raise ValueError("a held token has zero probability under its own draft distribution")
-    return uniforms[:k].double() * q_tok > p_tok  # u < p/q accepts, without dividing
+    return draws[:k].double() * q_tok > p_tok  # u < p/q accepts, without dividing
 
 
 def _normalised(probs: torch.Tensor, name: str) -> torch.Tensor:
@@ -143,18 +143,18 @@ def verify_sampling(
     draft_probs: torch.Tensor,
     full_probs: torch.Tensor,
     generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,
+    draws: torch.Tensor | None = None,
 ) -> VerifyOutcome:
     """Speculative-sampling acceptance.
 
     ``draft_probs``: (k, vocab), the Anchor-phase distribution each held token was drawn
     from; ``full_probs``: (k or k + 1, vocab) from the verify pass. Rows need not be normalised
-    exactly (they are renormalised); negative or non-finite entries raise. ``uniforms``:
+    exactly (they are renormalised); negative or non-finite entries raise. ``draws``:
     the acceptance draws, one per held token, drawn before the verify pass that judged
     its rows as they came (else drawn here from ``generator``).
     """
     k = _check(held, full_probs)
-    u = torch.rand(k, generator=generator, dtype=torch.float64) if uniforms is None else uniforms
+    u = torch.rand(k, generator=generator, dtype=torch.float64) if draws is None else draws
     rejected = sampling_rejections(held, draft_probs, full_probs, u).nonzero()
     p = _normalised(full_probs, "full_probs")
     q = _normalised(draft_probs, "draft_probs")

@@ -171,7 +171,7 @@ def decide(
             torch.stack(list(draft_probs[:verified])).float().cpu(),
             target_probs(logits, sampling),
             generator=generator,
-            uniforms=draws,
+            draws=draws,
         )
         agreed = None
     correction = outcome.tokens[-1] if outcome.rejected else None
