@@ -262,11 +262,29 @@ def complete(client: OpenAI, **asked: Any) -> Any:
 
 def same_as_plain(servers: dict, cluster: str, call: Callable[[OpenAI], Any]) -> Any:
     """``call``'s answer on ``cluster``; on Lynx's, first checked equal to plain PD's in
-    everything the server decided (text, logprobs, finish reason, usage)."""
+    everything the server decided (text, logprobs, finish reason, usage), both from empty
+    prefix caches."""
+    if cluster == "plain":
+        return call(client_of(servers, cluster))
+    flush_prefix_caches(servers)
     answer = call(client_of(servers, cluster))
-    if cluster != "plain":
-        assert _decided(answer) == _decided(call(client_of(servers, "plain")))
+    assert _decided(answer) == _decided(call(client_of(servers, "plain")))
     return answer
+
+
+def flush_prefix_caches(servers: dict) -> None:
+    """Empty every prefill's radix cache. A prompt the cache holds on one cluster's prefill
+    and not on the other's is prefilled as a shorter extend there, whose products round
+    differently on the CPU: with "Once" cached by an earlier test, every logprob differed by
+    ~7e-4 (AVX2 host); on a host with oneDNN's avx512_bf16 kernels, with "Once upon a time"
+    cached on Lynx's prefills by the first tests, the "Once" completion differed from its 7th
+    token (2026-12-04; the same with the verify pass's early stop switched off, and equal
+    from empty caches)."""
+    for url in (*servers["pd"].prefill_urls, *servers["plain"].prefill_urls):
+        # Upstream answers in text; 400 if the server did not go idle within the timeout.
+        flush = urllib.request.Request(url + "/flush_cache?timeout=30", method="POST")
+        with urllib.request.urlopen(flush, timeout=60) as response:
+            assert response.status == 200
 
 
 def _decided(answer: Any) -> dict:
@@ -298,15 +316,6 @@ def test_openai_logprobs(servers: dict, cluster: str) -> None:
     answer = same_as_plain(servers, cluster, lambda c: chat(c, logprobs=True, top_logprobs=3))
     positions = answer.choices[0].logprobs.content
     assert len(positions) == 16 and all(len(p.top_logprobs) == 3 for p in positions)
-    # From empty prefix caches: a prompt the radix cache holds on one cluster's prefill and
-    # not on the other's is prefilled as a shorter extend there, whose products round
-    # differently on the CPU (with "Once" cached by an earlier test, every logprob differed
-    # by ~7e-4 while the tokens were equal).
-    for url in (*servers["pd"].prefill_urls, *servers["plain"].prefill_urls):
-        # Upstream answers in text; 400 if the server did not go idle within the timeout.
-        flush = urllib.request.Request(url + "/flush_cache?timeout=30", method="POST")
-        with urllib.request.urlopen(flush, timeout=60) as response:
-            assert response.status == 200
     text = same_as_plain(servers, cluster, lambda c: complete(c, logprobs=3)).choices[0]
     assert len(text.logprobs.token_logprobs) == 16 and all(len(t) == 3 for t in text.logprobs.top_logprobs)
 
