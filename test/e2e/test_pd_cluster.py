@@ -403,6 +403,7 @@ def test_greedy_samples_through_lynx_each_equal_plain_pds_answer(
     """n = 4 greedy through the router: four choices, each plain PD's one answer token for
     token; each sample held tokens on its own Anchor and verified them (the Residual lands
     late), and the prompt's KV crossed the link once per sample."""
+    flush_prefix_caches(servers)
     single = complete(client_of(servers, "plain"))
     answer = complete(client_of(servers, "pd"), n=4)
     assert [c.text for c in answer.choices] == [single.choices[0].text] * 4
@@ -420,7 +421,12 @@ def test_greedy_samples_through_lynx_each_equal_plain_pds_answer(
     alone = one["meta_info"]["lynx_transfer"][-1]
     once = alone["anchor_bytes"] + alone["residual_bytes"]
     print(f"n = 4: {sum(sent)} bytes over the link ({sent} per sample); n = 1: {once}")
-    assert sent == [once] * 4
+    # Each sample sends the whole prompt: the same Anchor, and a lossless Residual of the
+    # same size up to its coding. Its length follows the KV's bits, which a prefill whose
+    # prefix cache held the prompt computes in a shorter extend: on oneDNN's avx512_bf16
+    # kernels that moved 32 of 836,048 bytes (2026-12-04), the outputs equal.
+    assert [r["anchor_bytes"] for r in reports] == [alone["anchor_bytes"]] * 4
+    assert all(abs(n - once) <= once // 1000 for n in sent), (sent, once)
     wait_decodes_idle(servers["pd"], idle_decodes)
 
 
