@@ -117,25 +117,34 @@ def sampling_rejections(
     """Per held token, whether the speculative-sampling rule (:func:`verify_sampling`)
     rejects it taken alone, given its uniform draw ``draws[i]``: each depends only on
     its own rows and draw, so a verify pass can stop at the first rejection."""
+    q, p = _normalised_pair(held, draft_probs, full_probs)
+    return _rejections(held, q, p, draws)
+
+
+def _normalised_pair(
+    held: torch.Tensor, draft_probs: torch.Tensor, full_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, p): the draft and full rows checked and renormalised, in float64."""
     k = _check(held, full_probs)
     if draft_probs.shape != (k, full_probs.shape[1]):
         raise ValueError(f"draft_probs must be ({k}, {full_probs.shape[1]}), got {tuple(draft_probs.shape)}")
+    pair = []
+    for name, probs in (("draft_probs", draft_probs), ("full_probs", full_probs)):
+        if not torch.isfinite(probs).all() or (probs < 0).any():
+            raise ValueError(f"{name} must be finite and non-negative")
+        pair.append(probs.double() / probs.double().sum(-1, keepdim=True))
+    return pair[0], pair[1]
+
+
+def _rejections(held: torch.Tensor, q: torch.Tensor, p: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    k = held.numel()
     if draws.shape[0] < k:
         raise ValueError(f"{draws.shape[0]} uniform draws for {k} held tokens")
     rows = torch.arange(k)
-    p_tok, q_tok = (
-        _normalised(full_probs, "full_probs")[rows, held],
-        _normalised(draft_probs, "draft_probs")[rows, held],
-    )
+    p_tok, q_tok = p[rows, held], q[rows, held]
     if (q_tok <= 0).any():
         raise ValueError("a held token has zero probability under its own draft distribution")
     return draws[:k].double() * q_tok > p_tok  # u < p/q accepts, without dividing
-
-
-def _normalised(probs: torch.Tensor, name: str) -> torch.Tensor:
-    if not torch.isfinite(probs).all() or (probs < 0).any():
-        raise ValueError(f"{name} must be finite and non-negative")
-    return probs.double() / probs.double().sum(-1, keepdim=True)
 
 
 def verify_sampling(
@@ -153,11 +162,10 @@ def verify_sampling(
     the acceptance draws, one per held token, drawn before the verify pass that judged
     its rows as they came (else drawn here from ``generator``).
     """
-    k = _check(held, full_probs)
+    q, p = _normalised_pair(held, draft_probs, full_probs)
+    k = held.numel()
     u = torch.rand(k, generator=generator, dtype=torch.float64) if draws is None else draws
-    rejected = sampling_rejections(held, draft_probs, full_probs, u).nonzero()
-    p = _normalised(full_probs, "full_probs")
-    q = _normalised(draft_probs, "draft_probs")
+    rejected = _rejections(held, q, p, u).nonzero()
     if not rejected.numel():
         bonus = [int(torch.multinomial(p[k], 1, generator=generator))] if p.shape[0] > k else []
         return VerifyOutcome(held=k, accepted=k, tokens=[*held.tolist(), *bonus])
