@@ -4,6 +4,10 @@ Hook targets (``sglang.srt.`` omitted):
 * ``disaggregation.decode.DecodePreallocQueue._init_kv_manager`` AROUND: after upstream
   built the KV manager (a ``LynxKVManager`` with ``--lynx``), build this process's Lynx
   runtime on the KV pool (:func:`lynx_patches.runtime.build_on_kv_manager`).
+* ``disaggregation.decode.DecodePreallocQueue._send_kv_metadata`` AROUND: a request that
+  will never read its prompt's KV here (no new tokens, no radix cache to keep it:
+  :func:`lynx.transfer.parallel_samples.decode_reads_prompt_kv`) asks prefill for none of
+  it, as if decode held the whole prompt (``decode_prefix_len``).
 * ``disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req`` AROUND: upstream
   drops the receiver there; keep its Lynx transfer report on the request (the response's
   ``meta_info["lynx_transfer"]``), and in speculative mode hand a request whose Residual
@@ -14,8 +18,9 @@ Hook targets (``sglang.srt.`` omitted):
   other TP ranks first. Upstream's loop is quiescent there: the previous batch's results
   are processed, the next is not built; every rank runs it once per iteration.
 
-Contract: scheduler thread. ``_commit_transfer_to_req`` once per request whose transfer
-upstream concluded; ``process_decode_queue`` once per iteration. Without ``--lynx`` each
+Contract: scheduler thread. ``_send_kv_metadata`` once per request given KV pages;
+``_commit_transfer_to_req`` once per request whose transfer upstream concluded;
+``process_decode_queue`` once per iteration. Without ``--lynx`` each
 calls the original unchanged.
 """
 
@@ -24,13 +29,28 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lynx import settings
+from lynx.transfer.parallel_samples import decode_reads_prompt_kv
 from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 from lynx_patches.speculative_decoder import META_INFO_KEY
 
 INIT_KV_MANAGER = "disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+SEND_KV_METADATA = "disaggregation.decode.DecodePreallocQueue._send_kv_metadata"
 COMMIT = "disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
 PROCESS_DECODE_QUEUE = "disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue"
+
+
+def _receive_only_what_is_read(
+    original: Any, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, *args: Any, **kwargs: Any
+) -> Any:
+    if settings.current() is not None and not decode_reads_prompt_kv(
+        upstream.max_new_tokens(decode_req.req), upstream.decode_radix_cache(queue)
+    ):
+        # kv_indices are the slots of the tokens past decode's prefix: claim those too.
+        kwargs["decode_prefix_len"] = kwargs.get("decode_prefix_len", 0) + len(kv_indices)
+        kv_indices = kv_indices[:0]
+    return original(queue, decode_req, kv_indices, page_size, *args, **kwargs)
 
 
 def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -64,5 +84,6 @@ def _speculate(result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> Any:
 
 def register() -> None:
     hook(INIT_KV_MANAGER, runtime.build_on_kv_manager, "around")
+    hook(SEND_KV_METADATA, _receive_only_what_is_read, "around")
     hook(COMMIT, _keep_report, "around")
     hook(PROCESS_DECODE_QUEUE, _speculate, "after")

@@ -19,7 +19,8 @@ bootstrap/status thread; every other method on the scheduler thread.
 * ``mooncake.conn.MooncakeKVManager``: ``__init__``, ``_make_worker_recv`` (take Lynx
   offers off decode's metadata messages on prefill, Lynx notices on decode; drop a peer's
   message upstream's thread would die of, see ``upstream.unreadable_peer_message``),
-  ``add_transfer_request`` (prefill: encode and send instead of the page copy),
+  ``add_transfer_request`` (prefill: encode and send instead of the page copy; a request
+  decode's radix cache holds whole sends no KV, upstream's aux data only),
   ``build_receiver_metadata_message`` (decode: append the offer),
   ``_handle_abort_notification`` (prefill: stop the request's lanes),
   ``_handle_node_failure`` (decode: upstream's heartbeat declared a prefill dead, so the
@@ -29,9 +30,9 @@ bootstrap/status thread; every other method on the scheduler thread.
   ``Success`` while chunks wait for send space: their KV pages must stay), ``clear``.
 * ``mooncake.conn.MooncakeKVReceiver``: ``send_metadata`` (refuse a prefill server of
   another attention-TP size; take the room, reserve receive space first; wait if there is
-  none), ``poll`` (the Lynx gate, then decode), ``abort``,
-  ``clear``, ``failure_exception`` (a request refused for a room another request holds
-  fails alone, with Lynx's reason).
+  none; none of this where decode's radix cache holds the whole prompt), ``poll`` (the
+  Lynx gate, then decode), ``abort``, ``clear``, ``failure_exception`` (a request refused
+  for a room another request holds fails alone, with Lynx's reason).
 
 What upstream pieces Lynx could not reuse: the transfer worker's page copy (it writes
 raw pages into decode's KV pool, which a Lynx request must not see before it is decoded,
@@ -158,8 +159,8 @@ class LynxKVManager(MooncakeKVManager):
         **kwargs: Any,
     ) -> None:
         room = bootstrap_room
-        if upstream.room_is_live(self, room):
-            sender = self.lynx.sender if self.lynx is not None else None
+        sender = self.lynx.sender if self.lynx is not None else None
+        if upstream.room_is_live(self, room) and not (sender is not None and sender.sends_no_kv(room)):
             reason = (
                 "this prefill server's Lynx sender is not ready" if sender is None else sender.refusal(room)
             )
@@ -246,6 +247,9 @@ class ReceiverStep(enum.Enum):
     (:class:`lynx_patches.speculative_decoder.Speculation`)."""
 
     UNREGISTERED = "unregistered"  # before send_metadata, or failed before taking the room
+    # decode's radix cache (--disaggregation-decode-enable-radix-cache) holds the whole
+    # prompt: prefill sends no KV, only upstream's aux data, and Lynx takes no room
+    CACHED = "cached"
     WAITING_SPACE = "waiting_space"  # took the room; the metadata waits for receive space
     OFFERED = "offered"  # metadata and offer out; upstream's Success waits on Lynx's verdict
     SPECULATING = "speculating"  # its Anchor is in the KV, the room kept for the decoder
@@ -253,7 +257,8 @@ class ReceiverStep(enum.Enum):
 
 
 RECEIVER_STEPS: dict[ReceiverStep, frozenset[ReceiverStep]] = {
-    ReceiverStep.UNREGISTERED: frozenset({ReceiverStep.WAITING_SPACE}),
+    ReceiverStep.UNREGISTERED: frozenset({ReceiverStep.WAITING_SPACE, ReceiverStep.CACHED}),
+    ReceiverStep.CACHED: frozenset(),
     ReceiverStep.WAITING_SPACE: frozenset({ReceiverStep.OFFERED, ReceiverStep.RELEASED}),
     ReceiverStep.OFFERED: frozenset({ReceiverStep.SPECULATING, ReceiverStep.RELEASED}),
     ReceiverStep.SPECULATING: frozenset({ReceiverStep.RELEASED}),
@@ -306,6 +311,10 @@ class LynxKVReceiver(MooncakeKVReceiver):
             # Armed, so prefill's drain ACK releases the pages at once (upstream holds a
             # failed request's pages until the ACK, or for its release timeout).
             self.ensure_abort_notified(force_arm=True)
+            return
+        if len(kv_indices) == 0:  # prefill sends from decode_prefix_len on: here, nothing
+            self._lynx_move(ReceiverStep.CACHED)
+            super().send_metadata(kv_indices, *args, **kwargs)
             return
         self.lynx_slots = page_slots(np.asarray(kv_indices), self._lynx.page_size)
         receiver = self._lynx.receiver
@@ -402,7 +411,7 @@ class LynxKVReceiver(MooncakeKVReceiver):
 
     def _lynx_release(self) -> RoomReport | None:
         """Give the room's Lynx state up, once: a later request may take the room."""
-        if self.lynx_step in (ReceiverStep.UNREGISTERED, ReceiverStep.RELEASED):
+        if self.lynx_step in (ReceiverStep.UNREGISTERED, ReceiverStep.CACHED, ReceiverStep.RELEASED):
             return None
         self._lynx_move(ReceiverStep.RELEASED)
         self._lynx_call = None

@@ -8,8 +8,8 @@ Hook targets (``sglang.srt.`` omitted):
 * ``managers.tokenizer_manager.TokenizerManager._handle_batch_request`` AROUND: with
   ``--lynx``, a request with ``n`` > 1 and bootstrap rooms registers its prompts' rooms
   for as long as it is answered (streamed or not; a client that hangs up closes it).
-* ``managers.tokenizer_manager.TokenizerManager._send_one_request`` BEFORE: a send whose
-  room is registered runs on the fake transfer (the warm-up) or gets its sample's room.
+* ``managers.tokenizer_manager.TokenizerManager._send_one_request`` BEFORE: a sample whose
+  prompt's room is registered gets its own room (the warm-up keeps the prompt's).
 
 Contract: the tokenizer's event loop (the launcher process), once per request and once
 per send. Without ``--lynx`` nothing is registered and every send is left as upstream
@@ -52,13 +52,9 @@ async def _while_answering(answers: AsyncIterator[Any], rooms: list[int]) -> Asy
 
 def _name_the_send(manager: Any, *args: Any, **kwargs: Any) -> None:
     tokenized_obj = kwargs["tokenized_obj"] if "tokenized_obj" in kwargs else args[0]
-    send = _ROOMS.next_send(upstream.tokenized_room(tokenized_obj))
-    if send is None:
-        return
-    if send.warmup:
-        upstream.send_without_transfer(tokenized_obj)
-    else:
-        upstream.send_with_room(tokenized_obj, send.room)
+    room = _ROOMS.next_send(upstream.tokenized_room(tokenized_obj))
+    if room is not None:
+        upstream.send_with_room(tokenized_obj, room)
 
 
 def register() -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,14 @@ def idle(server: SingleServer, kv_tokens: int | None = None) -> bool:
     transfer = s["lynx_transfer"]
     quiet = transfer["rooms"] == 0 and transfer["buffer_used"] == 0 and transfer.get("quarantined", 0) == 0
     return quiet and (kv_tokens is None or s["lynx_kv_available_tokens"] == kv_tokens)
+
+
+def flush_cache(url: str) -> None:
+    """Empty the radix cache of the server at ``url`` (waits until it is idle)."""
+    # Upstream answers in text; 400 if the server did not go idle within the timeout.
+    flush = urllib.request.Request(url + "/flush_cache?timeout=30", method="POST")
+    with urllib.request.urlopen(flush, timeout=60) as response:
+        assert response.status == 200
 
 
 def signal_group(server: SingleServer, sig: signal.Signals) -> None:

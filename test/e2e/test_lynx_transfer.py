@@ -10,7 +10,9 @@ on the tiny model and started once for the module:
   the fault tests strike); ``D1`` with ``--enable-metrics``;
 * ``P0``/``D0``: plain PD without ``--lynx`` (the reference, and the peers without Lynx
   for the pairing tests): conftest's shared pair;
-* ``PA``/``DA``: ``--lynx-mode anchor-only`` with 2-bit Anchors.
+* ``PA``/``DA``: ``--lynx-mode anchor-only`` with 2-bit Anchors;
+* ``DR``: as ``D2``, with decode's radix cache (``--disaggregation-decode-enable-radix-cache``),
+  paired with ``P``.
 
 All compute in FP32 over a BF16 KV pool, as the shared reference does (the KV that
 crosses is a BF16 deployment's).
@@ -29,6 +31,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ from pdtools import (
     batch_variant,
     decode_server,
     error_of,
+    flush_cache,
     idle,
     pd_generate,
     signal_group,
@@ -82,6 +86,12 @@ def servers(
         "D2": decode_server(config, log_dir, "D2", HELD),
         "PA": Prefill(config, log_dir, "PA", ANCHOR_ONLY),
         "DA": decode_server(config, log_dir, "DA", ANCHOR_ONLY),
+        "DR": decode_server(
+            replace(config, extra_args=[a for a in config.extra_args if a != "--disable-radix-cache"]),
+            log_dir,
+            "DR",
+            [*HELD, "--disaggregation-decode-enable-radix-cache"],
+        ),
     }
     with shared.running(request, own) as group:
         yield group
@@ -133,6 +143,63 @@ def test_bytes_on_the_wire_are_the_codec_sizes(servers: dict, tiny_model: Path) 
         assert report["anchor_latency_s"] > 0
         if residual:  # held HOLD_S on purpose: the Residual lands after the Anchor
             assert report["residual_latency_s"] >= HOLD_S
+
+
+def test_decode_radix_cache_receives_only_the_tokens_it_lacks(servers: dict, tiny_model: Path) -> None:
+    """With decode's radix cache on, decode asks prefill only for the tokens past the
+    prefix it holds (upstream's ``decode_prefix_len``): Lynx sends their Anchor and
+    Residual, nothing for a prompt decode holds whole (no room taken), and every answer
+    equals plain PD's."""
+    prefill, decode = servers["P"], servers["DR"]
+    layout, codec = kv_layout(tiny_model), CodecConfig(residual="exact")
+    prompt, longer = PROMPTS[3], PROMPTS[3] + "and they lived happily ever after, " * 8
+    flush_cache(decode.url)
+    answers = {
+        "cold": pd_generate(prefill, decode, prompt),
+        "held whole": pd_generate(prefill, decode, prompt),
+        "extended": pd_generate(prefill, decode, longer),
+    }
+    flush_cache(decode.url)
+    answers["extended, cold"] = pd_generate(prefill, decode, longer)
+    plain = {text: pd_generate(servers["P0"], servers["D0"], text)["output_ids"] for text in (prompt, longer)}
+    for name, answer in answers.items():
+        assert answer["output_ids"] == plain[longer if "extended" in name else prompt], name
+    sent = {name: a["meta_info"].get("lynx_transfer", [{}])[-1] for name, a in answers.items()}
+    assert sent["held whole"] == {}  # no Lynx transfer at all
+    prompt_tokens = answers["cold"]["meta_info"]["prompt_tokens"]
+    longer_tokens = answers["extended"]["meta_info"]["prompt_tokens"]
+    for name, tokens in (("cold", prompt_tokens), ("extended, cold", longer_tokens)):
+        assert sent[name]["anchor_bytes"] == RequestLayout(layout, codec, tokens, Mode.FULL).anchor_nbytes
+    # Only the tokens past the prefix decode held (page size 1: all of the first prompt).
+    tail = RequestLayout(layout, codec, longer_tokens - prompt_tokens, Mode.FULL)
+    assert sent["extended"]["anchor_bytes"] == tail.anchor_nbytes
+    assert 0 < sent["extended"]["residual_bytes"] <= tail.sent_residual_nbytes
+    flush_cache(decode.url)
+    wait_for(lambda: idle(decode), "DR idle")
+
+
+def test_parallel_samples_carry_the_prompt_once_to_a_decode_with_radix_cache(
+    servers: dict, tiny_model: Path
+) -> None:
+    """n = 4 greedy, sent to both servers as the router sends it: four answers, each plain
+    PD's. A decode with a radix cache receives the prompt's KV once, with the warm-up, and
+    its samples none; one without receives it once per sample and none for the warm-up,
+    which reads none of it."""
+    layout, codec = kv_layout(tiny_model), CodecConfig(residual="exact")
+    prompt = PROMPTS[3]
+    single = pd_generate(servers["P0"], servers["D0"], prompt)
+    once = RequestLayout(layout, codec, single["meta_info"]["prompt_tokens"], Mode.FULL).anchor_nbytes
+    flush_cache(servers["DR"].url)
+    for decode, prompts_sent in (("DR", 1), ("D2", 4)):
+        before = state(servers[decode])["lynx_transfer"]
+        samples = pd_generate(servers["P"], servers[decode], prompt, sampling={"n": 4})
+        after = state(servers[decode])["lynx_transfer"]
+        assert [s["output_ids"] for s in samples] == [single["output_ids"]] * 4, decode
+        moved = {kind: after[kind] - before[kind] for kind in ("anchor_bytes", "residual_bytes")}
+        print(f"n = 4 to {decode}: {moved} (the prompt's Anchor alone: {once})")
+        assert moved["anchor_bytes"] == prompts_sent * once, decode
+    flush_cache(servers["DR"].url)
+    wait_for(lambda: idle(servers["DR"]) and idle(servers["D2"]), "DR and D2 idle")
 
 
 def test_anchor_only_runs_and_its_agreement_is_reported(servers: dict) -> None:

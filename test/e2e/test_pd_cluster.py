@@ -33,6 +33,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from pdtools import flush_cache
 
 from lynx.tools.cluster import PDCluster, ServerConfig, SingleServer, http_json, running
 from lynx.tools.demo import chat_once
@@ -281,10 +282,7 @@ def flush_prefix_caches(servers: dict) -> None:
     token (2026-12-04; the same with the verify pass's early stop switched off, and equal
     from empty caches)."""
     for url in (*servers["pd"].prefill_urls, *servers["plain"].prefill_urls):
-        # Upstream answers in text; 400 if the server did not go idle within the timeout.
-        flush = urllib.request.Request(url + "/flush_cache?timeout=30", method="POST")
-        with urllib.request.urlopen(flush, timeout=60) as response:
-            assert response.status == 200
+        flush_cache(url)
 
 
 def _decided(answer: Any) -> dict:

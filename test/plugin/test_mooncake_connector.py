@@ -29,9 +29,11 @@ def test_a_duplicate_room_on_decode_fails_only_the_second_request(probe: dict) -
 def test_the_receivers_lynx_steps_are_pinned(probe: dict) -> None:
     """A decode request's connector: it takes the room, offers once receive space is free,
     then decodes in full or starts speculating; every path ends by giving the room up,
-    once (the receiver's own room state is pinned in test_transfer_receive)."""
+    once (the receiver's own room state is pinned in test_transfer_receive). A request
+    whose whole prompt decode's radix cache holds takes no room at all."""
     assert probe["receiver_steps"] == {
-        "unregistered": ["waiting_space"],
+        "unregistered": ["cached", "waiting_space"],
+        "cached": [],
         "waiting_space": ["offered", "released"],
         "offered": ["released", "speculating"],
         "speculating": ["released"],

@@ -9,10 +9,8 @@ from typing import Any
 import pytest
 
 from lynx import settings
-from lynx.transfer.parallel_samples import ParallelSampleRooms, SampleSend, sample_room
+from lynx.transfer.parallel_samples import ParallelSampleRooms, decode_reads_prompt_kv, sample_room
 from lynx_patches import tokenizer_manager
-
-FAKE_HOST = "2.2.2.2"  # upstream's FAKE_BOOTSTRAP_HOST (the contract test checks the name)
 
 
 def test_sample_rooms_are_distinct_63_bit_and_fixed() -> None:
@@ -37,14 +35,21 @@ def test_the_first_send_of_a_room_is_the_warmup_then_each_sample_its_own_room() 
     # Upstream sends every prompt's warm-up first, then each prompt's samples in turn.
     sends = [rooms.next_send(room) for room in (7, 9, 7, 7, 7, 9, 9, 9)]
     assert sends == [
-        SampleSend(True, 7),
-        SampleSend(True, 9),
-        *(SampleSend(False, sample_room(7, k)) for k in (1, 2, 3)),
-        *(SampleSend(False, sample_room(9, k)) for k in (1, 2, 3)),
+        None,  # the warm-ups keep the prompt's room
+        None,
+        *(sample_room(7, k) for k in (1, 2, 3)),
+        *(sample_room(9, k) for k in (1, 2, 3)),
     ]
     assert rooms.next_send(8) is None and rooms.next_send(None) is None
     rooms.end([7, 9])
     assert rooms.in_flight() == 0 and rooms.next_send(7) is None
+
+
+def test_only_a_request_of_no_new_tokens_on_a_decode_without_radix_cache_needs_no_prompt_kv() -> None:
+    assert not decode_reads_prompt_kv(0, decode_radix_cache=False)  # the warm-up: read by nobody
+    assert decode_reads_prompt_kv(0, decode_radix_cache=True)  # kept for the samples
+    for max_new_tokens in (1, 128, None):
+        assert decode_reads_prompt_kv(max_new_tokens, decode_radix_cache=False)
 
 
 def test_two_requests_with_one_room_are_refused_by_name() -> None:
@@ -100,11 +105,11 @@ def lynx_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("lynx_on")
-def test_with_lynx_each_sample_is_sent_with_its_own_room_and_the_warmup_transfers_nothing() -> None:
+def test_with_lynx_each_sample_is_sent_with_its_own_room_and_the_warmup_with_the_prompts() -> None:
     tokenizer = _Tokenizer()
     _answer(tokenizer, _request([11, 12], n=3))
     warmups, samples = tokenizer.sent[:2], tokenizer.sent[2:]
-    assert [(w.bootstrap_room, w.bootstrap_host) for w in warmups] == [(11, FAKE_HOST), (12, FAKE_HOST)]
+    assert [(w.bootstrap_room, w.bootstrap_host) for w in warmups] == [(11, "10.0.0.1"), (12, "10.0.0.1")]
     assert [s.bootstrap_room for s in samples] == [sample_room(r, k) for r in (11, 12) for k in (1, 2, 3)]
     assert {s.bootstrap_host for s in samples} == {"10.0.0.1"}
     assert tokenizer_manager._ROOMS.in_flight() == 0  # forgotten once answered

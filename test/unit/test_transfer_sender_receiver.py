@@ -891,6 +891,30 @@ def test_an_offer_of_the_wrong_size_is_refused(pairs: Callable[..., Pair]) -> No
     assert pair.backend.written() == []
 
 
+def test_a_request_decode_holds_whole_sends_no_kv_and_refuses_any_offer(pairs: Callable[..., Pair]) -> None:
+    """Decode's radix cache holds the whole prompt: prefill sizes the request at 0 tokens
+    and sends no KV (upstream's aux data only); decode sends no offer, and one that comes
+    anyway, of any size, 0 tokens included, is refused, never decoded as a layout."""
+    pair = pairs()
+    pair.sender.open_room(30)
+    assert pair.sender.size_room(30, 0) is None
+    assert pair.sender.sends_no_kv(30)
+    assert not pair.sender.sends_no_kv(31)
+    offer = pair.reserve(32)
+    assert offer is not None
+    for room, n_tokens in ((32, N_TOKENS), (33, 0)):
+        sent = Offer(offer.handshake, offer.nonce, offer.anchor_addr, offer.anchor_nbytes, 0, 0, n_tokens)
+        reason = pair.answer(room, sent.to_wire(), 0)
+        assert reason == (
+            f"decode 10.0.0.2:9000 offered space for {n_tokens} tokens, this prefill server's "
+            "request sends none (decode's radix cache holds its whole prompt): no offer is due"
+        )
+        assert pair.kinds(room) == [NoticeKind.REJECT]
+    assert pair.wait_verdict(32, Verdict.FAIL) is not None
+    assert pair.sender.stats().rooms == 0
+    assert pair.backend.written() == []
+
+
 def test_fewer_tokens_than_offered_fail_the_room(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
     offer = pair.offer(13)

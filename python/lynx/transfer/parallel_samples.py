@@ -1,16 +1,23 @@
-"""Bootstrap rooms for the parallel samples of one request (``n`` > 1).
+"""Bootstrap rooms for the parallel samples of one request (``n`` > 1), and which requests
+need their prompt's KV on decode.
 
 A PD router gives a request one bootstrap room and sends the request, ``n`` included, to
 a prefill and a decode server. Each server's tokenizer then sends its scheduler, per
-prompt, first a prefix-cache warm-up (``max_new_tokens`` 0) and then the ``n`` samples,
-every one with the prompt's room; a room names one transfer between one pair of
-requests, so the second sample's room is taken (Lynx's receiver refuses it, upstream's
-waits forever). Both servers see the same sends in the same order, so each can name
-them alike on its own, with no message between them:
+prompt, first a prefix-cache warm-up (``max_new_tokens`` 0), waits for its answer, and
+then sends the ``n`` samples, every one with the prompt's room; a room names one
+transfer between one pair of requests, so the second sample's room is taken (Lynx's
+receiver refuses it, upstream's waits forever). Both servers see the same sends in the
+same order, so each can name them alike on its own, with no message between them:
 
-* the warm-up transfers nothing: both servers run it on upstream's fake transfer (its
-  output is never read, and it would put the prompt's KV on the link once more);
+* the warm-up keeps the prompt's room and is a transfer like any other;
 * sample ``k`` (1..n) gets :func:`sample_room` of the prompt's room and ``k``.
+
+What the warm-up moves is decode's choice (:func:`decode_reads_prompt_kv`): a decode
+server with a radix cache (``--disaggregation-decode-enable-radix-cache``) receives the
+prompt's KV once, keeps it when the warm-up ends, and asks prefill for each sample's
+tokens past that prefix only (upstream's ``decode_prefix_len``): the prompt crosses the
+link once per request. A decode server without one would drop the warm-up's KV unread,
+so it asks for none of it, and each sample's transfer carries the prompt.
 
 :class:`ParallelSampleRooms` counts the sends of each registered room; it is the
 tokenizer's, one per server process (``lynx_patches.tokenizer_manager``).
@@ -21,12 +28,19 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
-from dataclasses import dataclass
 
 # Upstream's rooms are non-negative 63-bit integers (the router draws them so).
 _ROOM_BITS = 63
 _ROOM_AND_SAMPLE = struct.Struct("<QQ")
 _PERSON = b"lynx-sample-room"
+
+
+def decode_reads_prompt_kv(max_new_tokens: int | None, decode_radix_cache: bool) -> bool:
+    """Whether a decode server needs the prompt's KV of a request that generates at most
+    ``max_new_tokens`` tokens (None: no limit). A request of none (the warm-up of
+    parallel samples) ends on prefill's first token and never reads it, unless decode's
+    radix cache keeps it for the requests after it."""
+    return decode_radix_cache or max_new_tokens != 0
 
 
 def sample_room(room: int, sample: int) -> int:
@@ -39,15 +53,6 @@ def sample_room(room: int, sample: int) -> int:
         raise ValueError(f"samples are numbered from 1, got {sample}")
     digest = hashlib.blake2b(_ROOM_AND_SAMPLE.pack(room, sample), digest_size=8, person=_PERSON).digest()
     return int.from_bytes(digest, "little") >> (64 - _ROOM_BITS)
-
-
-@dataclass(frozen=True)
-class SampleSend:
-    """What one send of a parallel-sampling request is: the warm-up (``room`` unchanged,
-    nothing transferred) or a sample with its own ``room``."""
-
-    warmup: bool
-    room: int
 
 
 class ParallelSampleRooms:
@@ -73,16 +78,15 @@ class ParallelSampleRooms:
         for room in rooms:
             self._sends.pop(room, None)
 
-    def next_send(self, room: int | None) -> SampleSend | None:
-        """What the next send with ``room`` is, or None if no parallel-sampling request in
-        flight has that room (the send is left as it is)."""
+    def next_send(self, room: int | None) -> int | None:
+        """The room the next send with ``room`` goes with: its sample's, or None to leave
+        the send as it is (the warm-up, or no parallel-sampling request in flight has
+        that room)."""
         if room is None or room not in self._sends:
             return None
         index = self._sends[room]
         self._sends[room] = index + 1
-        if index == 0:
-            return SampleSend(warmup=True, room=room)
-        return SampleSend(warmup=False, room=sample_room(room, index))
+        return None if index == 0 else sample_room(room, index)
 
     def in_flight(self) -> int:
         return len(self._sends)

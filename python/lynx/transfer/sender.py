@@ -358,7 +358,9 @@ class ProgressiveSender:
 
     def size_room(self, room: int, n_tokens: int) -> Offer | str | None:
         """The request of ``room`` sends ``n_tokens`` tokens (scheduler thread): answer its
-        offer if it came. Returns the answer, or None if no offer came yet."""
+        offer if it came. Returns the answer, or None if no offer came yet. ``n_tokens`` is 0
+        where decode's radix cache holds the whole prompt: nothing is sent (:meth:`sends_no_kv`),
+        and an offer for it is refused."""
         with self._lock:
             self._requests[room] = n_tokens
             held = self._offers.pop(room, None) or self._early_offers.pop(room)
@@ -403,6 +405,11 @@ class ProgressiveSender:
         mismatch = self.handshake.mismatch(theirs, this="this prefill server", other=where)
         if mismatch is not None:
             return mismatch
+        if n_tokens == 0:
+            return (
+                f"{where} offered space for {offer.n_tokens} tokens, this prefill server's request "
+                "sends none (decode's radix cache holds its whole prompt): no offer is due"
+            )
         if offer.n_tokens != n_tokens:
             return (
                 f"{where} offered space for {offer.n_tokens} tokens, this prefill server's "
@@ -471,6 +478,12 @@ class ProgressiveSender:
 
     def _send(self, endpoint: Endpoint, notice: Notice) -> None:
         self._notify(endpoint, notice.to_frames(self._auth))
+
+    def sends_no_kv(self, room: int) -> bool:
+        """Whether the request of ``room`` was sized at 0 tokens: decode's radix cache
+        (``decode_prefix_len``) holds its whole prompt, upstream sends only its aux data."""
+        with self._lock:
+            return self._requests.get(room) == 0
 
     def refusal(self, room: int) -> str | None:
         """Why ``room`` cannot be sent with Lynx (no offer came, it was dropped, or it was

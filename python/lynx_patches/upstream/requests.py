@@ -241,15 +241,12 @@ def send_with_room(tokenized_obj: Any, room: int) -> None:
 
 
 @relies(
-    attribute(_TOKENIZED_INPUT, "bootstrap_host"),
-    Relied("sglang.srt.disaggregation.utils", "FAKE_BOOTSTRAP_HOST", "member"),
+    attribute(REQ, "sampling_params"),
+    attribute("sglang.srt.sampling.sampling_params.SamplingParams", "max_new_tokens"),
 )
-def send_without_transfer(tokenized_obj: Any) -> None:
-    """Run the request on upstream's fake transfer (as its server warm-up does): prefill
-    sends nothing, decode waits for nothing and decodes on whatever its pages hold."""
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
-
-    tokenized_obj.bootstrap_host = FAKE_BOOTSTRAP_HOST
+def max_new_tokens(req: Any) -> int | None:
+    """The most tokens the request may generate (None: no limit)."""
+    return req.sampling_params.max_new_tokens
 
 
 @relies(attribute(REQ, "to_finish"))

@@ -20,6 +20,7 @@ RELIED: tuple[Relied, ...] = (
     # methods Lynx's hooks wrap and the fields the hook modules read directly.
     method("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue", "_init_kv_manager"),
     method(f"{_DECODE}.DecodePreallocQueue", "_init_kv_manager"),
+    method(f"{_DECODE}.DecodePreallocQueue", "_send_kv_metadata", "decode_req", "kv_indices", "page_size"),
     method(f"{_DECODE}.DecodeTransferQueue", "_commit_transfer_to_req", "decode_req"),
     attribute(f"{_DECODE}.DecodeRequest", "req"),
     attribute(f"{_DECODE}.DecodeRequest", "kv_receiver"),
@@ -78,6 +79,16 @@ def kv_pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 )
 def free_kv_tokens(scheduler: Any) -> int:
     return int(scheduler.token_to_kv_pool_allocator.available_size())
+
+
+@relies(
+    attribute(f"{_DECODE}.DecodePreallocQueue", "scheduler"),
+    attribute(SCHEDULER, "server_args"),
+    attribute("sglang.srt.server_args.ServerArgs", "disaggregation_decode_enable_radix_cache"),
+)
+def decode_radix_cache(queue: Any) -> bool:
+    """Whether the decode server of ``queue`` keeps a radix cache of received prompts."""
+    return bool(queue.scheduler.server_args.disaggregation_decode_enable_radix_cache)
 
 
 @relies(
