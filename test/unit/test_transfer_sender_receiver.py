@@ -1558,3 +1558,106 @@ def test_a_prefill_that_finishes_without_answering_the_offer_leaves_no_space_qua
     pair.receiver.forget(40)
     stats = pair.receiver.stats()
     assert (stats.quarantined, stats.buffer_used) == (0, 0)
+
+
+# ---- the Anchor layer by layer, during prefill's forward ------------------------------------------
+
+
+def _stream_chunk(pair: Pair, room: int, offer: Offer, pages: np.ndarray, last: bool) -> list[int]:
+    """Prefill computes one chunk: begin_chunk, every layer done in turn, then add_chunk;
+    the Anchor bytes handed to the lanes after each layer."""
+    assert pair.sender.begin_chunk(room, pages)
+    sent = []
+    for layer in range(LAYERS):
+        pair.sender.layer_done(layer)
+        sent.append(pair.sender.stats().anchor_bytes)
+    pair.chunk(room, offer, pages, last)
+    return sent
+
+
+@pytest.mark.parametrize("residual", ["exact", "int8"])
+def test_anchors_leave_layer_by_layer_and_the_request_decodes_as_sent_whole(
+    pairs: Callable[..., Pair], residual: str
+) -> None:
+    """Each chunk's Anchor leaves one layer at a time while prefill computes it (the
+    segments it completes, both chunks of a request); decode receives the same bytes and
+    checksums as from a request sent whole, and decodes the same rows."""
+    codec = CodecConfig(residual=residual)
+    rows = {}
+    for room, streamed in ((40, True), (41, False)):
+        pair = pairs(codec=codec, checksums=True)
+        offer = pair.offer(room)
+        pages = pair.pages(seed=40)
+        if streamed:
+            plan = RequestLayout(LAYOUT, codec, N_TOKENS, Mode.FULL)
+            first = _stream_chunk(pair, room, offer, pages[:300], last=False)  # completes segment 1
+            per_layer = plan.segments[0].anchor_nbytes // LAYERS
+            assert first == [per_layer * (layer + 1) for layer in range(LAYERS)]
+            _stream_chunk(pair, room, offer, pages[300:], last=True)  # segments 2 and 3
+            stats = pair.sender.stats()
+            assert stats.layers_streamed == 2 * LAYERS and stats.layer_encode_s > 0
+        else:
+            pair.send(room, offer, pages, [300, 300])
+        pair.wait_verdict(room, Verdict.READY)
+        dst = torch.arange(1000, 1000 + N_TOKENS)
+        pair.receiver.write_kv(room, dst)
+        rows[streamed] = pair.decode_rows(dst)
+        landed = [n for n in pair.notices if n.kind is NoticeKind.LANDED]
+        rows[streamed, "landed"] = sorted((n.stream, n.nbytes, n.checksums) for n in landed)
+    assert rows[True, "landed"] == rows[False, "landed"]
+    assert_rows_equal(rows[True], rows[False])
+
+
+def test_protected_segments_and_a_room_without_an_offer_do_not_stream(pairs: Callable[..., Pair]) -> None:
+    pair = pairs(protect=(0, N_TOKENS))  # every token protected
+    assert not pair.sender.begin_chunk(42, pair.pages(seed=1))  # no offer accepted
+    offer = pair.offer(42)
+    pages = pair.pages(seed=42)
+    assert not pair.sender.begin_chunk(42, pages)
+    pair.sender.layer_done(0)
+    assert pair.backend.written() == []
+    pair.chunk(42, offer, pages, True)
+    assert pair.wait_verdict(42, Verdict.READY) is None
+    assert pair.sender.stats().layers_streamed == 0
+
+
+def test_a_layer_out_of_order_stops_the_stream_and_the_chunk_sends_the_rest(
+    pairs: Callable[..., Pair],
+) -> None:
+    pair = pairs(codec=CodecConfig(residual="exact"))
+    offer = pair.offer(43)
+    pages = pair.pages(seed=43)
+    assert pair.sender.begin_chunk(43, pages)
+    pair.sender.layer_done(0)
+    pair.sender.layer_done(2)  # skipped layer 1: nothing more leaves early
+    pair.sender.layer_done(1)
+    assert pair.sender.stats().layers_streamed == 2
+    pair.chunk(43, offer, pages, True)
+    pair.wait_verdict(43, Verdict.READY)
+    dst = torch.arange(1000, 1000 + N_TOKENS)
+    pair.receiver.write_kv(43, dst)
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))
+
+
+@pytest.mark.parametrize("fault", ["kv changed", "other slots"])
+def test_a_streamed_anchor_that_is_not_the_chunks_fails_the_room(
+    pairs: Callable[..., Pair], fault: str
+) -> None:
+    """What left layer by layer is checked against the chunk's own encode: KV rewritten
+    after its layer was reported, or the chunk computed into other slots than announced,
+    fails the request (its Anchor on decode is not the KV) instead of sending it."""
+    pair = pairs()
+    offer = pair.offer(44)
+    pages = pair.pages(seed=44)
+    assert pair.sender.begin_chunk(44, pages)
+    pair.sender.layer_done(0)
+    if fault == "kv changed":
+        pair.prefill_k[0][int(pages[3])] += 1.0
+    else:
+        pages = pages.copy()
+        pages[[3, 4]] = pages[[4, 3]]
+    pair.chunk(44, offer, pages, True)
+    [(room, reason)] = pair.failures
+    why = "differs from the chunk's" if fault == "kv changed" else "other KV slots than it announced"
+    assert room == 44 and reason.startswith("room 44, tokens [0, 256): ") and why in reason
+    assert pair.wait_verdict(44, Verdict.FAIL) is not None

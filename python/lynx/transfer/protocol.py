@@ -666,6 +666,17 @@ class RequestLayout:
             slice(residual_at, residual_at + seg.residual_nbytes),
         )
 
+    @property
+    def num_layers(self) -> int:
+        return self._layout.num_layers
+
+    def anchor_layers(self, seg: Segment, first: int, end: int) -> slice:
+        """The bytes of ``seg``'s Anchor that hold layers ``[first, end)`` (their K and V
+        parts), in the request's space: the format lays a segment's parts out in layer
+        order, each layer's the same size."""
+        per_layer = seg.anchor_nbytes // self._layout.num_layers
+        return slice(seg.anchor_offset + first * per_layer, seg.anchor_offset + end * per_layer)
+
     def sent_ranges(self, seg: Segment, residual_nbytes: int | None = None) -> list[tuple[Stream, slice]]:
         """The bytes of ``seg`` that travel, one contiguous range per stream (a protected
         segment's Residual follows its Anchor): (stream, range in the request's space).

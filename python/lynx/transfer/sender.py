@@ -64,6 +64,7 @@ from lynx.transfer.protocol import (
     Offer,
     ProtocolError,
     RequestLayout,
+    Segment,
     Stream,
     checksum_values,
     key_mismatch,
@@ -173,6 +174,17 @@ class _EarlyOffers:
 
 
 @dataclass
+class _LayerStream:
+    """A chunk prefill is computing, whose ``segments`` (unprotected, each complete once the
+    chunk is) send their Anchor layer by layer: ``slots`` are the request's from its first
+    token through the chunk, ``layers`` how many layers' Anchors are out."""
+
+    segments: list[Segment]
+    slots: torch.Tensor
+    layers: int = 0
+
+
+@dataclass
 class _Room:
     room: int
     peer: str  # the decode engine's session id
@@ -191,6 +203,7 @@ class _Room:
     settled: set[Lane] = field(default_factory=set)
     closed: bool = False  # last chunk encoded, or the room failed
     failed: bool = False
+    streaming: _LayerStream | None = None  # begin_chunk -> the add_chunk that encodes its segments
 
 
 @dataclass
@@ -204,6 +217,8 @@ class SenderStats:
     offers_waiting: int  # for a request that does not exist yet, or whose length is not known
     lanes_driver_alive: bool  # False: the lanes' driver thread ended, no transfer can move
     lanes_driver_errors: int  # driver passes that raised (each failed the open transfers)
+    layers_streamed: int  # layer Anchors sent during prefill's forward, ahead of their chunk
+    layer_encode_s: float  # spent encoding them, on the forward's path
     # reason ("expired", "overflow", "quota", "duplicate"; with a key "unsigned",
     # "bad_signature", "malformed") -> offers dropped unanswered since start
     dropped_offers: dict[str, int] = field(default_factory=dict)
@@ -257,6 +272,8 @@ class ProgressiveSender:
         self._releasing: set[int] = set()
         self._ended: OrderedDict[tuple[int, int], None] = OrderedDict()  # (room, nonce)
         self._sent = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        self._layers_streamed = 0
+        self._layer_encode_s = 0.0
         self._hold_s = {Lane.HIGH: hold_s[0], Lane.LOW: hold_s[1]}
         # writes held back on purpose (hold_s): (due, room, lane, writes, last), in due order
         self._held: dict[Lane, deque[tuple[float, int, Lane, list[tuple[int, int, int]], bool]]] = {
@@ -512,31 +529,116 @@ class ProgressiveSender:
         """Queue the request's next chunk (prefill page ids, in order) and pump. The room's
         offer must have been accepted (:meth:`refusal` is None)."""
         with self._lock:
-            state = self._rooms.get(room)
-            if state is None:
-                answer = self._answers.get(room)
-                if answer is None or isinstance(answer, str):
-                    raise ValueError(f"room {room} has no accepted Lynx offer")
-                peer, endpoint, offer = answer
-                if (room, offer.nonce) in self._ended:
-                    return  # its space on decode may already serve another request
-                # The offer's token count is this request's and its sizes match (_answer).
-                plan = RequestLayout.of(self.handshake, offer.n_tokens)
-                need = plan.encoded_nbytes
-                if self._arena.rounded(need) > self._arena.capacity:  # it would hold up every later room
-                    self._fail(
-                        room,
-                        f"{offer.n_tokens} tokens need {need} bytes of send buffer, it has "
-                        f"{self._arena.capacity}: raise --lynx-buffer-bytes",
-                    )
-                    return
-                lanes = tuple(_LANE_OF_STREAM[stream] for stream in plan.streams)
-                state = _Room(room, peer, endpoint, offer, plan, lanes=lanes)
-                self._rooms[room] = state
-            if state.closed:
+            state = self._room_of(room)
+            if state is None or state.closed:
                 return
             state.pending.append((page_slots(pages, self._page_size), last))
         self.pump()
+
+    def _room_of(self, room: int) -> _Room | None:
+        """(Lock held) The request's send state, made at its first chunk from its accepted
+        offer (ValueError if it has none); None if its reservation ended (its space on
+        decode may already serve another request) or it can never fit the send buffer
+        (the room fails)."""
+        state = self._rooms.get(room)
+        if state is not None:
+            return state
+        answer = self._answers.get(room)
+        if answer is None or isinstance(answer, str):
+            raise ValueError(f"room {room} has no accepted Lynx offer")
+        peer, endpoint, offer = answer
+        if (room, offer.nonce) in self._ended:
+            return None
+        # The offer's token count is this request's and its sizes match (_answer).
+        plan = RequestLayout.of(self.handshake, offer.n_tokens)
+        need = plan.encoded_nbytes
+        if self._arena.rounded(need) > self._arena.capacity:  # it would hold up every later room
+            self._fail(
+                room,
+                f"{offer.n_tokens} tokens need {need} bytes of send buffer, it has "
+                f"{self._arena.capacity}: raise --lynx-buffer-bytes",
+            )
+            return None
+        lanes = tuple(_LANE_OF_STREAM[stream] for stream in plan.streams)
+        state = _Room(room, peer, endpoint, offer, plan, lanes=lanes)
+        self._rooms[room] = state
+        return state
+
+    # ---- layer by layer, during prefill's forward (scheduler thread) ---------------------------
+
+    def begin_chunk(self, room: int, pages: np.ndarray) -> bool:
+        """Prefill is about to compute the request's next chunk into ``pages`` (before its
+        forward; :meth:`add_chunk` follows with the same pages once the forward ends). The
+        Anchors of the unprotected segments the chunk completes then leave layer by layer,
+        each as soon as :meth:`layer_done` says prefill wrote that layer's KV, ahead of the
+        rest of the chunk. Returns whether they will. They do not (add_chunk sends the
+        chunk whole, as without this call) for a room with no accepted offer, with earlier
+        chunks waiting for send space or behind another room that waits, with no such
+        segment in this chunk, or on a CUDA send buffer (where the encode would have to be
+        ordered after each layer's KV write with an event: not built)."""
+        if self._buffer.is_cuda:
+            return False
+        with self._lock:
+            try:
+                state = self._room_of(room)
+            except ValueError:
+                return False
+            if state is None or state.closed or state.pending or state.streaming is not None:
+                return False
+            if state.offset is None:
+                if any(other.pending and other.offset is None for other in self._rooms.values()):
+                    return False  # first come, first served
+                try:
+                    if not self._start(state):
+                        return False
+                except Exception:  # the lanes refused it: add_chunk's pump fails the room
+                    log.exception("Lynx: room %s: cannot start its transfer", room)
+                    return False
+            plan = state.plan
+            slots = torch.cat([*state.slots, page_slots(pages, self._page_size)])[: plan.n_tokens]
+            tokens = slots.numel()
+            ready = plan.ready(tokens, last=tokens >= plan.n_tokens)[state.segments_sent :]
+            segments = [seg for seg in ready if not seg.protected]
+            if not segments:
+                return False
+            state.streaming = _LayerStream(segments, slots)
+            return True
+
+    def layer_done(self, layer: int) -> None:
+        """Prefill wrote layer ``layer``'s KV of the chunks it computes (during its forward):
+        encode that layer's Anchor of each streaming chunk's segments and send it on the
+        HIGH lane. Layers come in order; a chunk whose next layer is another stops
+        streaming there (add_chunk sends the layers left)."""
+        with self._lock:
+            for state in self._rooms.values():
+                stream = state.streaming
+                if stream is None or state.closed or stream.layers != layer:
+                    continue
+                started = time.perf_counter()
+                assert state.offset is not None
+                plan = state.plan
+                space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
+                writes = []
+                try:
+                    for seg in stream.segments:
+                        span = plan.anchor_layers(seg, layer, layer + 1)
+                        encode_pages(
+                            self._k[layer : layer + 1],
+                            self._v[layer : layer + 1],
+                            stream.slots[seg.start : seg.end],
+                            self.handshake.codec,
+                            space[span],
+                            None,
+                        )
+                        dst = state.offer.anchor_addr + span.start - plan.region_offset(Stream.ANCHOR)
+                        writes.append((space.data_ptr() + span.start, dst, span.stop - span.start))
+                except CodecError as exc:
+                    self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
+                    continue
+                stream.layers += 1
+                self._layers_streamed += 1
+                self._layer_encode_s += time.perf_counter() - started
+                self._dispatch(state.room, Lane.HIGH, writes, False, time.monotonic())
 
     def pump(self) -> None:
         """Encode and send every queued chunk whose request has (or now gets) space."""
@@ -614,6 +716,8 @@ class ProgressiveSender:
             return SenderStats(
                 lanes_driver_alive=lanes.driver_alive,
                 lanes_driver_errors=lanes.driver_errors,
+                layers_streamed=self._layers_streamed,
+                layer_encode_s=self._layer_encode_s,
                 rooms=len(self._rooms),
                 waiting_for_space=sum(1 for s in self._rooms.values() if s.offset is None),
                 buffer_bytes=self._arena.capacity,
@@ -663,6 +767,9 @@ class ProgressiveSender:
                 continue
             all_slots = torch.cat(state.slots)[: plan.n_tokens].to(self._buffer.device)
             space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
+            streaming = state.streaming
+            # layers whose Anchor left during the forward, by segment
+            streamed = {seg.start: streaming.layers for seg in streaming.segments} if streaming else {}
             # decode's address of each stream's region
             regions = {Stream.ANCHOR: state.offer.anchor_addr, Stream.RESIDUAL: state.offer.residual_addr}
             writes: dict[Stream, list[tuple[int, int, int]]] = {stream: [] for stream in plan.streams}
@@ -671,16 +778,33 @@ class ProgressiveSender:
                 for seg in ready:
                     anchor, residual = plan.byte_ranges(seg)
                     travels = seg.protected or Stream.RESIDUAL in plan.streams
+                    layers_out = streamed.pop(seg.start, 0)
+                    # A streamed segment's Anchor is coded again aside, and must match what left.
+                    anchor_out = torch.empty_like(space[anchor]) if layers_out else space[anchor]
                     residual_nbytes = encode_pages(
                         self._k,
                         self._v,
                         all_slots[seg.start : seg.end],
                         self.handshake.codec,
-                        space[anchor],
+                        anchor_out,
                         space[residual] if travels else None,  # anchor-only: no Residual to code
                     )
+                    out = plan.anchor_layers(seg, 0, layers_out)
+                    if layers_out:
+                        assert streaming is not None
+                        why = self._streamed_differs(seg, streaming, all_slots, anchor_out, space, out)
+                        if why is not None:
+                            self._fail(
+                                state.room, f"room {state.room}, tokens [{seg.start}, {seg.end}): {why}"
+                            )
+                            return
+                        space[out.stop : anchor.stop] = anchor_out[out.stop - anchor.start :]
                     sent.append(plan.sent_ranges(seg, residual_nbytes if travels else None))
                     for stream, span in sent[-1]:
+                        if stream is Stream.ANCHOR:  # what left layer by layer does not again
+                            span = slice(max(span.start, out.stop), span.stop)
+                            if span.start == span.stop:
+                                continue
                         dst = regions[stream] + span.start - plan.region_offset(stream)
                         writes[stream].append((space.data_ptr() + span.start, dst, span.stop - span.start))
             except CodecError as exc:
@@ -691,6 +815,8 @@ class ProgressiveSender:
                     for stream, span in ranges:
                         checksums[stream].append(span_checksum(space[span]))
             state.segments_sent += len(ready)
+            if streaming is not None and not streamed:
+                state.streaming = None
             for stream, stream_writes in writes.items():
                 if stream_writes or last:  # a chunk of protected segments only has no Residual
                     submitted.append((_LANE_OF_STREAM[stream], stream_writes, last))
@@ -705,10 +831,36 @@ class ProgressiveSender:
             state.checksums[stream].extend(checksum_values(values))
         now = time.monotonic()
         for lane, writes, last in submitted:
-            if self._hold_s[lane] > 0:
-                self._held[lane].append((now + self._hold_s[lane], state.room, lane, writes, last))
-            else:
-                self._submit(state.room, lane, writes, last)
+            self._dispatch(state.room, lane, writes, last, now)
+
+    @staticmethod
+    def _streamed_differs(
+        seg: Segment,
+        streaming: _LayerStream,
+        all_slots: torch.Tensor,
+        anchor_out: torch.Tensor,
+        space: torch.Tensor,
+        out: slice,
+    ) -> str | None:
+        """Why the Anchor layers of ``seg`` that left during the forward (``out``, in the
+        request's space) are not the chunk's own: other KV slots than announced, or KV
+        that changed after its layer was written. None when they match, byte for byte."""
+        tokens = slice(seg.start, seg.end)
+        if not torch.equal(streaming.slots[tokens], all_slots[tokens].to(streaming.slots.device)):
+            return "prefill computed them into other KV slots than it announced before its forward"
+        start = out.start - seg.anchor_offset
+        if not torch.equal(anchor_out[start : start + out.stop - out.start], space[out]):
+            return "their Anchor sent layer by layer differs from the chunk's: the KV changed after"
+        return None
+
+    def _dispatch(
+        self, room: int, lane: Lane, writes: list[tuple[int, int, int]], last: bool, now: float
+    ) -> None:
+        """(Lock held) Submit ``writes`` to the lanes, or hold them ``hold_s`` first."""
+        if self._hold_s[lane] > 0:
+            self._held[lane].append((now + self._hold_s[lane], room, lane, writes, last))
+        else:
+            self._submit(room, lane, writes, last)
 
     def _submit(self, room: int, lane: Lane, writes: list[tuple[int, int, int]], last: bool) -> None:
         try:
