@@ -58,6 +58,8 @@ CONFIGS: dict[str, list[str]] = {
     "lynx-full": ["--lynx"],
     "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
     "lynx-speculative": ["--lynx", "--lynx-mode", "speculative"],
+    # each chunk's Anchor leaves layer by layer while prefill computes it
+    "lynx-speculative-layerwise": ["--lynx", "--lynx-mode", "speculative", "--lynx-layerwise-from", "256"],
 }
 SIDES = {"prefill": netlink.PREFILL, "decode": netlink.DECODE}
 

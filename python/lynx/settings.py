@@ -116,6 +116,10 @@ class LynxSettings:
     # demand, for tests, demos and fault drills. 0 in production.
     anchor_hold_s: float = 0.0
     residual_hold_s: float = 0.0
+    # Prefill, not paired (the bytes on the wire are the same): a request of at least this
+    # many tokens sends each chunk's Anchor layer by layer while the chunk computes (0:
+    # never; each chunk's once it is computed).
+    layerwise_from: int = 0
     # A file holding the key both servers sign their Lynx messages with ("": none). Paired:
     # its id is part of the handshake.
     auth_key_file: str = ""
@@ -168,6 +172,11 @@ class LynxSettings:
                 raise LynxSettingsError(
                     f"{flag_of(hold)} must be >= 0 and below --lynx-transfer-deadline, got {value}"
                 )
+        if not 0 <= self.layerwise_from <= _MAX_PROTECTED:
+            raise LynxSettingsError(
+                f"--lynx-layerwise-from must be a token count in 0..{_MAX_PROTECTED} (0: off), "
+                f"got {self.layerwise_from}"
+            )
         for nbytes in ("draft_memory_bytes", "buffer_bytes"):
             value = getattr(self, nbytes)
             if not 0 <= value <= _MAX_BYTES:
@@ -338,3 +347,9 @@ def current(environ: Mapping[str, str] | None = None) -> LynxSettings | None:
     """The settings of this server process, or None when Lynx is off."""
     text = (os.environ if environ is None else environ).get(SETTINGS_ENV)
     return None if text is None else LynxSettings.from_json(text)
+
+
+def layerwise(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this server sends Anchors layer by layer (``--lynx-layerwise-from`` > 0)."""
+    settings = current(environ)
+    return settings is not None and settings.layerwise_from > 0

@@ -21,7 +21,10 @@ its top; together they are every upstream symbol Lynx touches:
   held tokens are not streamed.
 * :mod:`lynx_patches.schedule_batch` -- held tokens and deferred finishes; parking instead
   of retraction.
-* :mod:`lynx_patches.scheduler` -- parked requests count as in flight (idle check, abort).
+* :mod:`lynx_patches.scheduler` -- parked requests count as in flight (idle check, abort);
+  prefill's chunks announced before their forward.
+* :mod:`lynx_patches.radix_attention` -- each layer's Anchor leaves once prefill wrote it
+  (``--lynx-layerwise-from``).
 * :mod:`lynx_patches.model_runner` -- the draft distributions of sampled held tokens.
 * :mod:`lynx_patches.torch_native_backend` -- a verify pass's held rows attend in one call
   on the CPU attention backend.
@@ -46,6 +49,7 @@ from lynx_patches import (
     internal_state,
     model_runner,
     output_streamer,
+    radix_attention,
     schedule_batch,
     scheduler,
     server_args,
@@ -71,6 +75,7 @@ def register() -> None:
     schedule_batch.register()
     scheduler.register()
     model_runner.register()
+    radix_attention.register()
     torch_native_backend.register()
     if is_cpu_engine():
         disaggregation_mooncake_conn.register()

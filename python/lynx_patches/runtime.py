@@ -54,6 +54,8 @@ class LynxRuntime:
     # Attention-TP ranks this server's KV heads are split over; each rank runs its own
     # runtime for its own heads and pairs with the peer rank of the same index.
     tp_ranks: int = 1
+    # The model layer of the pool's first layer (pipeline stages hold a slice of the model).
+    kv_start_layer: int = 0
     sender: ProgressiveSender | None = None  # prefill
     receiver: ProgressiveReceiver | None = None  # decode
     decoder: SpeculativeDecoder | None = None  # decode, speculative mode
@@ -145,7 +147,12 @@ def build(
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=k[0].device)
     page_size = upstream.manager_page_size(manager)
     runtime = LynxRuntime(
-        settings, handshake, page_size, codec_backend, upstream.manager_attn_tp_size(manager)
+        settings,
+        handshake,
+        page_size,
+        codec_backend,
+        upstream.manager_attn_tp_size(manager),
+        upstream.kv_pool_start_layer(pool),
     )
     if upstream.manager_is_prefill(manager):
         engine, session_id = upstream.manager_transfer_engine(manager)
@@ -164,6 +171,7 @@ def build(
             on_failure=lambda room, reason: upstream.fail_room(manager, room, f"Lynx: {reason}"),
             hold_s=(settings.anchor_hold_s, settings.residual_hold_s),
             auth=auth,
+            layerwise_from=settings.layerwise_from,
         )
     else:
         if upstream.metrics_enabled(manager):

@@ -1,10 +1,15 @@
 """Parked speculative requests in the scheduler's view of what is alive
-(``--lynx-mode speculative``).
+(``--lynx-mode speculative``); prefill's chunks announced before their forward
+(``--lynx-layerwise-from``).
 
 A parked request (waiting for its Residual, out of every batch) still holds a request
 row and KV pages.
 
 Hook targets (``sglang.srt.`` omitted):
+* ``managers.scheduler.Scheduler.run_batch`` BEFORE (prefill, ``--lynx-layerwise-from``):
+  each PD request whose chunk this forward computes announces the pages it will send
+  (:meth:`lynx.transfer.ProgressiveSender.begin_chunk`), so that its Anchor can leave
+  layer by layer (:mod:`lynx_patches.radix_attention`).
 * ``managers.scheduler.Scheduler.is_fully_idle`` AFTER: not idle while any is parked, or
   upstream's idle memory check would count its pages as leaked (and the idle sleeper
   would stop polling for its Residual).
@@ -22,14 +27,31 @@ upstream's behaviour is unchanged without a speculative decoder.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from lynx import settings
 from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 
+logger = logging.getLogger(__name__)
+
+RUN_BATCH = "managers.scheduler.Scheduler.run_batch"
 IS_FULLY_IDLE = "managers.scheduler.Scheduler.is_fully_idle"
 COLLECT_INFLIGHT_REQS = "managers.scheduler.Scheduler.collect_inflight_reqs"
 PAUSE_GENERATION = "managers.scheduler.Scheduler.pause_generation"
+
+
+def _announce_chunks(scheduler: Any, batch: Any, *_args: Any, **_kwargs: Any) -> None:
+    lynx = runtime.current()
+    sender = None if lynx is None else lynx.sender
+    if sender is None:
+        return
+    try:
+        for room, pages in upstream.chunks_to_send(scheduler, batch):
+            sender.begin_chunk(room, pages)
+    except Exception:  # a Lynx bug: these chunks go whole once computed, the forward runs
+        logger.exception("Lynx: announcing the batch's chunks failed; they are sent once computed")
 
 
 def _not_idle_while_parked(result: bool, *_args: Any, **_kwargs: Any) -> bool:
@@ -54,6 +76,8 @@ def _roll_back_before_retraction(scheduler: Any, recv_req: Any, *args: Any, **kw
 
 
 def register() -> None:
+    if settings.layerwise():
+        hook(RUN_BATCH, _announce_chunks, "before")
     hook(IS_FULLY_IDLE, _not_idle_while_parked, "after")
     hook(COLLECT_INFLIGHT_REQS, _with_parked, "after")
     hook(PAUSE_GENERATION, _roll_back_before_retraction, "before")

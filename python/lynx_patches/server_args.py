@@ -85,6 +85,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     ),
     "anchor_hold_s": (float, "Prefill: hold each Anchor write this many seconds (emulates a slow link)."),
     "residual_hold_s": (float, "Prefill: hold each Residual write this many seconds (emulates a slow link)."),
+    "layerwise_from": (
+        int,
+        "Prefill: a request of at least this many tokens sends each chunk's Anchor layer by "
+        "layer while the chunk computes (0: off, each chunk's Anchor once it is computed).",
+    ),
     "auth_key_file": (
         str,
         "A file holding a key (16+ bytes, not readable by others) both servers sign their Lynx "

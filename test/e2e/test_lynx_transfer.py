@@ -12,7 +12,9 @@ on the tiny model and started once for the module:
   for the pairing tests): conftest's shared pair;
 * ``PA``/``DA``: ``--lynx-mode anchor-only`` with 2-bit Anchors;
 * ``DR``: as ``D2``, with decode's radix cache (``--disaggregation-decode-enable-radix-cache``),
-  paired with ``P``.
+  paired with ``P``;
+* ``PL``: as ``P``, sending each chunk's Anchor layer by layer (``--lynx-layerwise-from``),
+  paired with ``D2``.
 
 All compute in FP32 over a BF16 KV pool, as the shared reference does (the KV that
 crosses is a BF16 deployment's).
@@ -85,6 +87,7 @@ def servers(
         "D1": decode_server(config, log_dir, "D1", [*HELD, "--enable-metrics"]),
         "D2": decode_server(config, log_dir, "D2", HELD),
         "PA": Prefill(config, log_dir, "PA", ANCHOR_ONLY),
+        "PL": Prefill(config, log_dir, "PL", [*HELD, "--lynx-layerwise-from", "64"]),
         "DA": decode_server(config, log_dir, "DA", ANCHOR_ONLY),
         "DR": decode_server(
             replace(config, extra_args=[a for a in config.extra_args if a != "--disable-radix-cache"]),
@@ -119,6 +122,31 @@ def test_full_mode_with_exact_residual_equals_plain_pd(servers: dict, idle_kv: d
         plain = pd_generate(servers["P0"], servers["D0"], prompt)
         assert lynx["output_ids"] == plain["output_ids"], prompt[:40]
         assert lynx["meta_info"]["completion_tokens"] == 16
+
+
+def test_anchors_sent_layer_by_layer_during_prefill_change_no_byte_and_no_answer(
+    servers: dict, tiny_model: Path
+) -> None:
+    """A prefill that sends each chunk's Anchor layer by layer as it computes (the
+    ~500-token prompt: four chunks of 128, two segments) sends the bytes and checksums of
+    one that sends each chunk once computed, and the answers equal plain PD's; prompts
+    below ``--lynx-layerwise-from`` go chunk by chunk."""
+    before = state(servers["PL"])["lynx_transfer"]
+    for prompt in PROMPTS:
+        layered = pd_generate(servers["PL"], servers["D2"], prompt)
+        whole = pd_generate(servers["P"], servers["D2"], prompt)
+        plain = pd_generate(servers["P0"], servers["D0"], prompt)
+        assert layered["output_ids"] == whole["output_ids"] == plain["output_ids"], prompt[:40]
+        sent = [a["meta_info"]["lynx_transfer"][-1] for a in (layered, whole)]
+        assert [(s["anchor_bytes"], s["residual_bytes"]) for s in sent] == [
+            (sent[1]["anchor_bytes"], sent[1]["residual_bytes"])
+        ] * 2, prompt[:40]
+    after = state(servers["PL"])["lynx_transfer"]
+    layers = kv_layout(tiny_model).num_layers
+    # Only the long prompt streams: its two segments complete in its 2nd and 4th chunks.
+    assert after["layers_streamed"] - before["layers_streamed"] == 2 * layers
+    assert after["layer_encode_s"] > before["layer_encode_s"]
+    wait_for(lambda: idle(servers["D2"]), "D2 idle")
 
 
 def test_bytes_on_the_wire_are_the_codec_sizes(servers: dict, tiny_model: Path) -> None:

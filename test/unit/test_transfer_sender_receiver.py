@@ -163,6 +163,7 @@ class Pair:
         checksums: bool = False,
         decode_checksums: bool | None = None,
         keys: tuple[AuthKey | None, AuthKey | None] = (None, None),
+        layerwise_from: int = 0,
     ) -> None:
         """``keys``: prefill's and decode's (--lynx-auth-key-file)."""
         codec = codec or CodecConfig()
@@ -210,6 +211,7 @@ class Pair:
             hold_s=(0.0, residual_hold_s),
             offer_wait_s=offer_wait_s,
             auth=keys[0],
+            layerwise_from=layerwise_from,
         )
 
     def _notify(self, endpoint: tuple[str, int], frames: list[bytes]) -> None:
@@ -1585,7 +1587,7 @@ def test_anchors_leave_layer_by_layer_and_the_request_decodes_as_sent_whole(
     codec = CodecConfig(residual=residual)
     rows = {}
     for room, streamed in ((40, True), (41, False)):
-        pair = pairs(codec=codec, checksums=True)
+        pair = pairs(codec=codec, checksums=True, layerwise_from=N_TOKENS)
         offer = pair.offer(room)
         pages = pair.pages(seed=40)
         if streamed:
@@ -1608,8 +1610,13 @@ def test_anchors_leave_layer_by_layer_and_the_request_decodes_as_sent_whole(
     assert_rows_equal(rows[True], rows[False])
 
 
-def test_protected_segments_and_a_room_without_an_offer_do_not_stream(pairs: Callable[..., Pair]) -> None:
-    pair = pairs(protect=(0, N_TOKENS))  # every token protected
+def test_short_or_protected_requests_and_rooms_without_an_offer_do_not_stream(
+    pairs: Callable[..., Pair],
+) -> None:
+    short = pairs(layerwise_from=N_TOKENS + 1)
+    short.offer(45)
+    assert not short.sender.begin_chunk(45, short.pages(seed=45))  # below --lynx-layerwise-from
+    pair = pairs(protect=(0, N_TOKENS), layerwise_from=1)  # every token protected
     assert not pair.sender.begin_chunk(42, pair.pages(seed=1))  # no offer accepted
     offer = pair.offer(42)
     pages = pair.pages(seed=42)
@@ -1624,7 +1631,7 @@ def test_protected_segments_and_a_room_without_an_offer_do_not_stream(pairs: Cal
 def test_a_layer_out_of_order_stops_the_stream_and_the_chunk_sends_the_rest(
     pairs: Callable[..., Pair],
 ) -> None:
-    pair = pairs(codec=CodecConfig(residual="exact"))
+    pair = pairs(codec=CodecConfig(residual="exact"), layerwise_from=1)
     offer = pair.offer(43)
     pages = pair.pages(seed=43)
     assert pair.sender.begin_chunk(43, pages)
@@ -1646,7 +1653,7 @@ def test_a_streamed_anchor_that_is_not_the_chunks_fails_the_room(
     """What left layer by layer is checked against the chunk's own encode: KV rewritten
     after its layer was reported, or the chunk computed into other slots than announced,
     fails the request (its Anchor on decode is not the KV) instead of sending it."""
-    pair = pairs()
+    pair = pairs(layerwise_from=1)
     offer = pair.offer(44)
     pages = pair.pages(seed=44)
     assert pair.sender.begin_chunk(44, pages)

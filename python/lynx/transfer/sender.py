@@ -230,7 +230,8 @@ class ProgressiveSender:
     ``offer_wait_s``: how long an offer for a room with no request waits for it; by
     default as long as upstream's prefill waits for decode's metadata
     (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, 300 s). ``auth``: the key notices are
-    signed with and offers must carry (None: none)."""
+    signed with and offers must carry (None: none). ``layerwise_from``: the fewest tokens a
+    request has for :meth:`begin_chunk` to stream its Anchor layer by layer (0: never)."""
 
     def __init__(
         self,
@@ -247,7 +248,9 @@ class ProgressiveSender:
         hold_s: tuple[float, float] = (0.0, 0.0),
         offer_wait_s: float = 300.0,
         auth: AuthKey | None = None,
+        layerwise_from: int = 0,
     ) -> None:
+        self._layerwise_from = layerwise_from
         self._arena = arena_over(buffer, "send")
         self.handshake = handshake.signed_with(auth)
         self._auth = auth
@@ -572,7 +575,8 @@ class ProgressiveSender:
         Anchors of the unprotected segments the chunk completes then leave layer by layer,
         each as soon as :meth:`layer_done` says prefill wrote that layer's KV, ahead of the
         rest of the chunk. Returns whether they will. They do not (add_chunk sends the
-        chunk whole, as without this call) for a room with no accepted offer, with earlier
+        chunk whole, as without this call) for a request of fewer than ``layerwise_from``
+        tokens, for a room with no accepted offer, with earlier
         chunks waiting for send space or behind another room that waits, with no such
         segment in this chunk, or on a CUDA send buffer (where the encode would have to be
         ordered after each layer's KV write with an event: not built)."""
@@ -584,6 +588,8 @@ class ProgressiveSender:
             except ValueError:
                 return False
             if state is None or state.closed or state.pending or state.streaming is not None:
+                return False
+            if not 0 < self._layerwise_from <= state.plan.n_tokens:
                 return False
             if state.offset is None:
                 if any(other.pending and other.offset is None for other in self._rooms.values()):

@@ -5,10 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from lynx_patches.errors import LynxConfigError
-from lynx_patches.upstream.contract import BATCH, REQ, SCHEDULER, Relied, attribute, method, relies
+from lynx_patches.upstream.contract import (
+    BATCH,
+    REQ,
+    SCHEDULE_BATCH,
+    SCHEDULER,
+    Relied,
+    attribute,
+    method,
+    relies,
+)
 
 _DECODE = "sglang.srt.disaggregation.decode"
 _INTERNAL_STATE_CONTROLLER = (
@@ -79,6 +89,74 @@ def kv_pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 )
 def free_kv_tokens(scheduler: Any) -> int:
     return int(scheduler.token_to_kv_pool_allocator.available_size())
+
+
+@relies(
+    attribute(BATCH, "forward_mode"),
+    attribute(BATCH, "reqs"),
+    method("sglang.srt.model_executor.forward_batch_info.ForwardMode", "is_extend"),
+    attribute(REQ, "pending_bootstrap"),
+    attribute(REQ, "start_send_idx"),
+    attribute(REQ, "extend_end"),
+    attribute(REQ, "origin_input_ids"),
+    attribute(REQ, "bootstrap_room"),
+    attribute(REQ, "kv"),
+    attribute(f"{SCHEDULE_BATCH}.ReqKvInfo", "req_pool_idx"),
+    attribute(SCHEDULER, "req_to_token_pool"),
+    attribute(SCHEDULER, "token_to_kv_pool_allocator"),
+    attribute("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "req_to_token"),
+    method(
+        "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator",
+        "translate_kv_indices_for_transfer",
+        "kv_indices",
+    ),
+    attribute("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator", "page_size"),
+    Relied("sglang.srt.mem_cache.common", "kv_to_page_indices", "function"),
+)
+def chunks_to_send(scheduler: Any, batch: Any) -> list[tuple[int, np.ndarray]]:
+    """(room, prefill pages) of each PD request of a prefill batch about to run whose chunk
+    will be sent once it is computed: the pages upstream's ``_send_kv_chunk`` will hand the
+    KV sender after the forward (from ``start_send_idx`` to the chunk's end, a partial last
+    page held back unless the prompt ends there), computed the same way."""
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    if not batch.forward_mode.is_extend():
+        return []
+    allocator = scheduler.token_to_kv_pool_allocator
+    page_size = allocator.page_size
+    chunks = []
+    for req in batch.reqs:
+        if req.bootstrap_room is None or req.pending_bootstrap or req.extend_end is None:
+            continue
+        prompt = len(req.origin_input_ids)
+        end = min(req.extend_end, prompt)
+        if end < prompt:
+            end -= end % page_size
+        if end <= req.start_send_idx:
+            continue
+        kv = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, req.start_send_idx : end]
+        pages = kv_to_page_indices(allocator.translate_kv_indices_for_transfer(kv), page_size)
+        chunks.append((int(req.bootstrap_room), pages))
+    return chunks
+
+
+@relies(attribute("sglang.srt.mem_cache.memory_pool.KVCache", "start_layer"))
+def kv_pool_start_layer(pool: Any) -> int:
+    """The model layer of a KV pool's first layer."""
+    return int(pool.start_layer)
+
+
+@relies(
+    attribute("sglang.srt.layers.radix_attention.RadixAttention", "layer_id"),
+    attribute("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "forward_mode"),
+    method("sglang.srt.model_executor.forward_batch_info.ForwardMode", "is_extend"),
+)
+def extended_layer(attention: Any, forward_batch: Any) -> int | None:
+    """The model layer an attention layer is, in an extend (prefill) forward, where it has
+    just written its KV; None in any other forward."""
+    if not forward_batch.forward_mode.is_extend():
+        return None
+    return int(attention.layer_id)
 
 
 @relies(
