@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lynx import settings
 from lynx.transfer.parallel_samples import decode_reads_prompt_kv
 from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
@@ -44,7 +43,7 @@ PROCESS_DECODE_QUEUE = "disaggregation.decode.SchedulerDisaggregationDecodeMixin
 def _receive_only_what_is_read(
     original: Any, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, *args: Any, **kwargs: Any
 ) -> Any:
-    if settings.current() is not None and not decode_reads_prompt_kv(
+    if runtime.current() is not None and not decode_reads_prompt_kv(
         upstream.max_new_tokens(decode_req.req), upstream.decode_radix_cache(queue)
     ):
         # kv_indices are the slots of the tokens past decode's prefix: claim those too.

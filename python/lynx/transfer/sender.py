@@ -616,7 +616,7 @@ class ProgressiveSender:
         HIGH lane. Layers come in order; a chunk whose next layer is another stops
         streaming there (add_chunk sends the layers left)."""
         with self._lock:
-            for state in self._rooms.values():
+            for state in list(self._rooms.values()):  # a failing room must not end the pass
                 stream = state.streaming
                 if stream is None or state.closed or stream.layers != layer:
                     continue
