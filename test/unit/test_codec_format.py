@@ -2,6 +2,7 @@
 the exact bytes of tiny encoded inputs."""
 
 import hashlib
+import struct
 
 import pytest
 import torch
@@ -14,31 +15,33 @@ from lynx.codec import (
     WireMismatchError,
     decode,
     encode,
+    lossless,
     segment_nbytes,
 )
 from lynx.codec.reference import pack_codes, unpack_codes
 
 
 def test_config_handshake_bytes_are_pinned() -> None:
-    assert WIRE_VERSION == 2
-    assert CodecConfig().to_wire().hex() == "4c58430204200001001000"  # the lossless residual
-    assert CodecConfig(residual="int8").to_wire().hex() == "4c58430204200000001000"
+    assert WIRE_VERSION == 3
+    assert CodecConfig().to_wire().hex() == "4c58430304200001001000"  # the lossless residual
+    assert CodecConfig(residual="int8").to_wire().hex() == "4c58430304200000001000"
     wire = CodecConfig(
         anchor_bits=2, group_size=64, residual="exact", key_layout="per_token", key_block=32
     ).to_wire()
-    assert wire.hex() == "4c58430202400001012000"
+    assert wire.hex() == "4c58430302400001012000"
 
 
 def test_an_older_peer_is_refused_by_its_version() -> None:
     older = bytearray(CodecConfig().to_wire())
-    older[3] = 1  # version 1: the exact residual was the raw words
-    with pytest.raises(WireMismatchError, match="peer speaks codec wire version 1, this side 2"):
-        CodecConfig.from_wire(bytes(older))
+    for version in (1, 2):  # 1: the exact residual was the raw words; 2: its bodies had no block table
+        older[3] = version
+        with pytest.raises(WireMismatchError, match=f"peer speaks codec wire version {version}, this side 3"):
+            CodecConfig.from_wire(bytes(older))
 
 
 def test_layout_handshake_bytes_are_pinned() -> None:
     layout = KVLayout(30, 3, 64, torch.bfloat16)
-    assert layout.to_wire().hex() == "4c584c021e000300400000"
+    assert layout.to_wire().hex() == "4c584c031e000300400000"
     assert KVLayout.from_wire(layout.to_wire()) == layout
     assert KVLayout.from_wire(KVLayout(2, 8, 128, torch.float16).to_wire()).dtype == torch.float16
 
@@ -179,17 +182,34 @@ def test_per_channel_key_bytes_are_pinned() -> None:
 
 def test_lossless_residual_bytes_are_pinned() -> None:
     """A part that codes no shorter than its words is stored raw: format byte 0, the words;
-    a part that codes shorter: format byte 1, its table count, tables, bit stream."""
+    a part that codes shorter: format byte 1, its table count, tables, the block table (the
+    bits of each 512 values), bit stream."""
     x = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7.5], [-1] * 8], dtype=torch.bfloat16)
     enc = encode(x, CodecConfig(group_size=8))
     assert _hex(enc.residual) == "00" + x.view(torch.uint8).numpy().tobytes().hex()
-    cubes = (torch.linspace(-3, 3, 128) ** 3).view(2, 64).to(torch.bfloat16)
-    for kind, length, head, digest in (
-        ("value", 174, "0107", "12a1a05c2a00215d0269c626cf49cc95323a65d2f5dd02da526ea379450ea558"),
-        ("key", 180, "010e", "7eeff395faa114a1be3c6616bf3ce8b6db954420b1106c951465bc425ac26a1c"),
+    cubes = (torch.linspace(-3, 3, 1024) ** 3).view(16, 64).to(torch.bfloat16)
+    table = lossless.word_format(torch.bfloat16).table_nbytes
+    for kind, length, head, blocks, digest in (
+        (
+            "value",
+            524,
+            "010a",
+            (1686, 1654),
+            "91821939c20fa9e3308de7a9d7a753f0fe337979e1d758a2576e56c6c501d8c4",
+        ),
+        (
+            "key",
+            1223,
+            "010a",
+            (4449, 4486),
+            "b8ac1dd1c57f184d0443fc8a9edaff378b242823cd219754c80b7400b282c181",
+        ),
     ):
         body = encode(cubes, CodecConfig(), kind=kind).residual.numpy().tobytes()
+        at = 2 + body[1] * table
         assert (len(body), body[:2].hex(), hashlib.sha256(body).hexdigest()) == (length, head, digest)
+        assert struct.unpack_from("<2H", body, at) == blocks
+        assert len(body) == at + 4 + -(-sum(blocks) // 8)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])

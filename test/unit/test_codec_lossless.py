@@ -77,7 +77,7 @@ def test_incompressible_words_are_stored_raw() -> None:
 
 
 def _coded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = (torch.linspace(-3, 3, 256) ** 3).view(4, 64).to(torch.bfloat16)
+    x = (torch.linspace(-3, 3, 1024) ** 3).view(16, 64).to(torch.bfloat16)  # two blocks
     enc = encode(x, CodecConfig(), kind="value")
     assert enc.residual[0] == lossless.CODED
     return x, enc.anchor, enc.residual
@@ -101,6 +101,11 @@ def _corruptions(residual: torch.Tensor) -> dict[str, tuple[torch.Tensor, str]]:
     too_few = residual.clone()
     too_few[1] = count - 1  # a context of some value loses its table
     out["no table"] = (too_few, "")
+    moved = residual.clone()  # a bit moved from block 0's count to block 1's: the sum holds
+    counts = moved[2 + count * table : 2 + count * table + 4].view(torch.int16)
+    counts[0] -= 1
+    counts[1] += 1
+    out["blocks"] = (moved, "block")
     return out
 
 

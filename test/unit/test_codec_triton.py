@@ -35,6 +35,7 @@ def _rows(dtype: torch.dtype, rows: int, channels: int, seed: int) -> torch.Tens
     x[:, 5] *= 40  # an outlier channel
     x[2] = 0.75  # a constant row: constant per-token groups
     x[3, :8] = torch.finfo(dtype).smallest_normal * 0.5  # subnormals
+    x[9, :32] = torch.finfo(dtype).smallest_normal * 0.25  # whole groups of subnormals
     x[4, ::3] = torch.finfo(dtype).max * 0.9  # extreme magnitudes
     x[4, 1::3] = -torch.finfo(dtype).max * 0.9
     return x.to(dtype)

@@ -77,8 +77,11 @@ def test_plan_describes_every_step_as_json_without_touching_cuda(
         assert step["details"] and len(step["items"]) == 1
         assert f"| {step['name']} | {step['items'][0]['name']} | planned |" in printed
     steps = {step["name"]: step["details"] for step in report["steps"]}
-    assert steps["codec"]["command"][-1] == "test/unit/test_codec_triton.py"
-    assert steps["codec"]["test_file_found"] is True and steps["codec"]["cwd"] == str(ROOT)
+    assert steps["codec"]["command"][-2:] == [
+        "test/unit/test_codec_triton.py",
+        "test/unit/test_codec_lossless_cuda.py",
+    ]
+    assert steps["codec"]["test_files_found"] is True and steps["codec"]["cwd"] == str(ROOT)
     assert steps["bytes"]["modes"] == list(codec_bench.MODES)
     assert steps["bytes"]["paths"] == ["cpu-torch", "cpu-cpp", "triton"]
     assert steps["throughput"]["peak_gbps"] == "from the device name at run time"

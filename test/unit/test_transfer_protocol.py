@@ -79,16 +79,16 @@ def test_handshake_wire_bytes_are_pinned() -> None:
         "00"  # flags: no checksums
         "00000000" "00000000"  # protect_first 0, protect_last 0
         "0000000000000000"  # key id: signs nothing
-        "4c5843" "02" "04" "2000" "01" "00" "1000"  # b"LXC" v2, 4 bits, group 32, exact, per_channel, 16
-        "4c584c" "02" "0400" "0200" "4000" "00"  # b"LXL" v2, 4 layers, 2 heads, head_dim 64, bf16
+        "4c5843" "03" "04" "2000" "01" "00" "1000"  # b"LXC" v3, 4 bits, group 32, exact, per_channel, 16
+        "4c584c" "03" "0400" "0200" "4000" "00"  # b"LXL" v3, 4 layers, 2 heads, head_dim 64, bf16
     )  # fmt: skip
     assert ODD.to_wire().hex() == (
         "4c584853" "05" "01"  # anchor-only
         "01"  # flags: checksums
         "04000000" "2c010000"  # protect_first 4, protect_last 300
         "0102030405060708"  # key id
-        "4c5843" "02" "03" "1000" "00" "01" "2000"  # 3 bits, group 16, int8, per_token, 32
-        "4c584c" "02" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
+        "4c5843" "03" "03" "1000" "00" "01" "2000"  # 3 bits, group 16, int8, per_token, 32
+        "4c584c" "03" "1c00" "0400" "8000" "01"  # 28 layers, 4 heads, head_dim 128, fp16
     )  # fmt: skip
     speculative = Handshake("speculative", CodecConfig(), LAYOUT).to_wire()
     assert speculative[5] == 2

@@ -1,5 +1,6 @@
-"""Device dispatch of the part codec: Triton kernels for CUDA tensors; on the CPU the fused
-C++ codec (``cpp_backend.py``, compiled when the package is installed) when it loads, else
+"""Device dispatch of the part codec: Triton kernels for CUDA tensors (and
+``lossless_cuda.py`` for a lossless Residual of 16-bit words); on the CPU the fused C++
+codec (``cpp_backend.py``, compiled when the package is installed) when it loads, else
 the torch reference (``reference.py``). All read rows of a 2-D ``(rows, channels)`` view,
 through an optional ``slots`` index, and write the exact same bytes.
 
@@ -74,17 +75,11 @@ def encode_rows(
     reference.check_buffer(anchor_out, layout.anchor_nbytes, "anchor")
     reference.check_buffer(residual_out, layout.residual_nbytes, "residual")
     if _use_triton(rows):
-        from . import triton_kernels
-
-        triton_kernels.encode_rows(rows, slots, kind, config, layout, anchor_out, residual_out)
-        lows = reference.params(anchor_out, layout, layout.mins_offset, rows.dtype)
-        if not bool(torch.isfinite(lows).all()):
-            part = rows if slots is None else rows.index_select(0, slots)
-            reference.raise_non_finite(part, where, slots, head_dim)
-        if config.residual_is_variable:
-            part = rows if slots is None else rows.index_select(0, slots)
-            return _encode_lossless_on_host(part, kind, config, residual_out)
-        return layout.residual_nbytes
+        all_rows = torch.arange(n, device=rows.device) if slots is None else slots
+        (used,) = _encode_on_device(
+            [PartIO(rows, kind, anchor_out, residual_out)], [where], all_rows, config, head_dim
+        )
+        return used
     if _use_cpp(rows):
         (used,) = cpp_backend.encode_parts([PartIO(rows, kind, anchor_out, residual_out)], slots, config)
         if used >= 0:
@@ -94,12 +89,58 @@ def encode_rows(
     return reference.encode_part(part, kind, config, anchor_out, residual_out, where, slots, head_dim)
 
 
+def _encode_on_device(
+    parts: Sequence[PartIO],
+    wheres: Sequence[str],
+    slots: torch.Tensor,
+    config: CodecConfig,
+    head_dim: int | None,
+) -> list[int]:
+    """``encode_parts`` of CUDA parts: the Triton kernels, then a lossless Residual coded
+    on the device (``lossless_cuda``), or on the host for 32-bit words."""
+    from . import lossless_cuda, triton_kernels
+
+    dtype = parts[0].rows.dtype
+    layouts = []
+    for part in parts:
+        layout = part_layout(slots.numel(), part.rows.shape[1], part.kind, config, dtype)
+        reference.check_buffer(part.anchor, layout.anchor_nbytes, "anchor")
+        reference.check_buffer(part.residual, layout.residual_nbytes, "residual")
+        triton_kernels.encode_rows(part.rows, slots, part.kind, config, layout, part.anchor, part.residual)
+        layouts.append(layout)
+    lows = [
+        reference.params(part.anchor, layout, layout.mins_offset, dtype)
+        for part, layout in zip(parts, layouts, strict=True)
+    ]
+    finite = torch.stack([torch.isfinite(low).all() for low in lows]).tolist()  # one synchronisation
+    for part, where, ok in zip(parts, wheres, finite, strict=True):
+        if not ok:
+            reference.raise_non_finite(part.rows.index_select(0, slots), where, slots, head_dim)
+    if not config.residual_is_variable:
+        return [layout.residual_nbytes for layout in layouts]
+    values = [part.rows.index_select(0, slots) for part in parts]
+    if lossless_cuda.supports(dtype):
+        return lossless_cuda.encode_bodies(
+            [
+                lossless_cuda.LosslessPart(part.anchor, part.kind, x.shape)
+                for part, x in zip(parts, values, strict=True)
+            ],
+            values,
+            config,
+            [part.residual for part in parts],
+        )
+    return [
+        _encode_lossless_on_host(x, part.kind, config, part.residual)
+        for part, x in zip(parts, values, strict=True)
+    ]
+
+
 def _encode_lossless_on_host(
     part: torch.Tensor, kind: Kind, config: CodecConfig, residual_out: torch.Tensor
 ) -> int:
     """The lossless Residual of a part (its rows gathered) whose Anchor a device kernel
-    wrote: coded on the host (no device coder yet), where the Anchor is encoded again bit
-    for bit, and copied back."""
+    wrote, for words ``lossless_cuda`` does not code: coded on the host, where the Anchor
+    is encoded again bit for bit, and copied back."""
     host = part.cpu()
     layout = part_layout(host.shape[0], host.shape[1], kind, config, host.dtype)
     anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
@@ -129,6 +170,10 @@ def decode_rows(
         layout = part_layout(n, rows.shape[1], kind, config, rows.dtype)
         triton_kernels.decode_rows(anchor, residual, rows, slots, kind, config, layout)
         return
+    if lossless_residual and _lossless_on_device(rows):
+        all_rows = torch.arange(n, device=rows.device) if slots is None else slots
+        decode_parts([PartIO(rows, kind, anchor, residual)], all_rows, config, ["the part"])
+        return
     if rows.device.type == "cpu" and _use_cpp(rows):
         _raise_residual_faults(
             cpp_backend.decode_parts([PartIO(rows, kind, anchor, residual)], slots, config)
@@ -154,12 +199,19 @@ def _decoded_part(
     config: CodecConfig,
 ) -> torch.Tensor:
     """One part's reconstruction as a new (n, C) tensor; a lossless Residual of a device
-    pool is decoded on the host (no device decoder yet)."""
+    pool that ``lossless_cuda`` does not decode is decoded on the host."""
     if residual is not None and config.residual_is_variable and anchor.device.type != "cpu":
         anchor, residual = anchor.cpu(), residual.cpu()
     part = torch.empty((n, channels), dtype=dtype, device=anchor.device)
     decode_rows(anchor, residual, part, None, kind, config)
     return part
+
+
+def _lossless_on_device(rows: torch.Tensor) -> bool:
+    """Whether a lossless Residual of these CUDA rows is coded where they are."""
+    from . import lossless_cuda
+
+    return _use_triton(rows) and lossless_cuda.supports(rows.dtype)
 
 
 def _raise_residual_faults(faults: Sequence[int], wheres: Sequence[str] | None = None) -> None:
@@ -208,7 +260,25 @@ def decode_parts(
     if parts and _use_cpp(parts[0].rows) and all(part.rows.is_contiguous() for part in parts):
         _raise_residual_faults(cpp_backend.decode_parts(parts, slots, config), wheres)
         return
-    if not (parts and parts[0].residual is not None and config.residual_is_variable):
+    lossless_residual = bool(parts) and parts[0].residual is not None and config.residual_is_variable
+    if lossless_residual and _lossless_on_device(parts[0].rows):
+        from . import lossless_cuda
+
+        dtype = parts[0].rows.dtype
+        decoded = lossless_cuda.decode_bodies(
+            [
+                lossless_cuda.LosslessPart(part.anchor, part.kind, (slots.numel(), part.rows.shape[1]))
+                for part in parts
+            ],
+            [part.residual for part in parts],  # type: ignore[misc]
+            dtype,
+            config,
+            wheres,
+        )
+        for part, values in zip(parts, decoded, strict=True):
+            part.rows.index_copy_(0, slots, values)
+        return
+    if not lossless_residual:
         for part in parts:
             decode_rows(part.anchor, part.residual, part.rows, slots, part.kind, config)
         return

@@ -122,6 +122,7 @@ RESIDUAL_FAULTS = (
     "a value decodes out of the word range",
     "it decodes to a NaN or infinite word",
     "bits set past the last value",
+    "a block's values take other bits than its count in the block table",
 )
 """What decode_parts' per-part fault code (an index, ``ResidualFault`` in the C++) means."""
 

@@ -79,9 +79,10 @@ from typing import Any, Literal
 
 import torch
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Bumped whenever any byte produced by this package changes meaning (2: the lossless
-``"exact"`` Residual, the default)."""
+``"exact"`` Residual, the default; 3: its coded bodies carry a block table, so that a GPU
+decodes every block of a part at once)."""
 
 ALIGN = 16
 """Every array of a segment starts at a multiple of this many bytes."""

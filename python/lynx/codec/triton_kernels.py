@@ -28,6 +28,17 @@ def _round_half_even(t):
 
 
 @triton.jit
+def _load_float32(ptr, mask):
+    """Load ptr's values as float32. bf16 is widened here from its bits: the interpreter's
+    own bf16->float32 cast loses subnormals."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.int16)), mask=mask, other=0)
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
 def _store_rounded(ptr, y, mask):
     """Store float32 y with round-to-nearest-even into ptr's dtype. bf16 is rounded here in
     integer arithmetic: the interpreter's own float32->bf16 cast does not round to even."""
@@ -136,8 +147,7 @@ def _encode_token_groups(
     channel = g * G + w * 8 + j
     group_mask = (t < n) & (g < C // G)
     slot = tl.load(slots_ptr + t, mask=t < n, other=0)
-    raw = tl.load(rows_ptr + slot * row_stride + channel, mask=group_mask, other=0)
-    x = raw.to(tl.float32)
+    x = _load_float32(rows_ptr + slot * row_stride + channel, group_mask)
     lo = tl.min(
         tl.min(tl.where(group_mask, x, float("inf")), axis=3, keep_dims=True),
         axis=2,
@@ -181,8 +191,7 @@ def _encode_key_blocks(
     channel = w * 8 + j
     mask = (t < n) & (w < C // 8)
     slot = tl.load(slots_ptr + t, mask=t < n, other=0)
-    raw = tl.load(rows_ptr + slot * row_stride + channel, mask=mask, other=0)
-    x = raw.to(tl.float32)
+    x = _load_float32(rows_ptr + slot * row_stride + channel, mask)
     lo = tl.min(tl.where(mask, x, float("inf")), axis=0, keep_dims=True)
     hi = tl.max(tl.where(mask, x, -float("inf")), axis=0, keep_dims=True)
     lo = _non_finite_to_nan(lo, x, mask, 0, -1)
@@ -229,8 +238,8 @@ def _decode(
     else:
         group = t * (C // G) + channel // G
     mask = word_mask & (j < 8)
-    half_step = tl.load(scales_ptr + group, mask=mask, other=0).to(tl.float32) * 0.5
-    half_lo = tl.load(mins_ptr + group, mask=mask, other=0).to(tl.float32) * 0.5
+    half_step = _load_float32(scales_ptr + group, mask) * 0.5
+    half_lo = _load_float32(mins_ptr + group, mask) * 0.5
     y = (value * half_step + half_lo) * 2.0
     y = tl.minimum(tl.maximum(y, -max_value), max_value)
     slot = tl.load(slots_ptr + t, mask=t < n, other=0)

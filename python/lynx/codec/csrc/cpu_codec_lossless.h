@@ -19,6 +19,7 @@
 namespace lynx_codec {
 
 constexpr int kMaxCodeBits = 12;  // lossless.MAX_CODE_BITS
+constexpr int64_t kBlockValues = 512;  // lossless.BLOCK_VALUES
 constexpr uint8_t kRawBody = 0, kCodedBody = 1;
 
 // Why a lossless part body was refused (index into cpp_backend.RESIDUAL_FAULTS).
@@ -32,7 +33,10 @@ enum ResidualFault : int64_t {
   kFaultRange,       // an ordinal out of the word range
   kFaultNonFinite,   // a NaN or infinite word
   kFaultPadding,     // bits set past the last value
+  kFaultBlocks,      // a block whose values take other bits than the block table says
 };
+
+inline int64_t blocks_of(int64_t values) { return (values + kBlockValues - 1) / kBlockValues; }
 
 // Huffman code lengths of one context's counts (lossless.code_lengths, the same choices);
 // fixed-size arrays, no allocation (at most kMaxSymbols symbols).
@@ -191,6 +195,7 @@ struct LosslessScratch {
   std::vector<Z> z;            // decode: each value's z
   std::vector<uint8_t> context, scale_exponent, stream;
   std::vector<uint32_t> table;  // decode: the part's code tables, one after another
+  std::vector<int64_t> block_end;  // decode: where each block's values end in the stream, in bits
   Scratch decode_scratch{0};
 };
 
@@ -311,7 +316,8 @@ int64_t encode_lossless_part(const EncodeJob<D>& job, LosslessScratch<D>& s) {
       bits += row[sym] * (n_code + n_raw);
     }
   }
-  const int64_t coded = 2 + used_contexts * L::kTableBytes + (bits + 7) / 8;
+  const int64_t blocks = blocks_of(values);
+  const int64_t coded = 2 + used_contexts * L::kTableBytes + 2 * blocks + (bits + 7) / 8;
   if (coded >= capacity) {
     out[0] = kRawBody;
     for (int64_t t = 0; t < p.n; ++t) std::memcpy(out + 1 + t * C * sizeof(Word), job.rows + p.row(t) * C, C * sizeof(Word));
@@ -328,6 +334,14 @@ int64_t encode_lossless_part(const EncodeJob<D>& job, LosslessScratch<D>& s) {
     *at++ = static_cast<uint8_t>(ctx);
     for (int sym = 0; sym < L::kSymbols; sym += 2)
       *at++ = static_cast<uint8_t>(len[sym] | (sym + 1 < L::kSymbols ? len[sym + 1] << 4 : 0));
+  }
+  // the block table: each block's bits (< 2^16), little-endian
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t block = 0;
+    for (int64_t j = b * kBlockValues, end = std::min(j + kBlockValues, values); j < end; ++j)
+      block += emit[key[j]] >> 24;
+    *at++ = static_cast<uint8_t>(block);
+    *at++ = static_cast<uint8_t>(block >> 8);
   }
   // The bit stream, LSB-first, one 8-byte store per value into scratch (room past the end):
   // each value's code and raw bits are one field of at most 12 + 32 bits.
@@ -391,7 +405,8 @@ struct PartDecode {
   int64_t fault = kFaultNone;
   bool coded = false;            // false: done in begin (a raw body, or a fault)
   int64_t values = 0, limit = 0;  // limit: the first value whose context has no table
-  int64_t total_bits = 0, pos = 0, done = 0;  // done: values decoded
+  int64_t total_bits = 0, pos = 0, done = 0;  // total_bits: the stream's bytes * 8; done: values decoded
+  const int64_t* block_end = nullptr;  // the block table, summed
   const uint8_t* stream = nullptr;
   const uint8_t* context = nullptr;
   Z* z = nullptr;
@@ -400,8 +415,17 @@ struct PartDecode {
   uint32_t width[L::kSymbols];
 };
 
-// Stream slack: the serial loop checks the position every kChunk values.
+// Stream slack: the serial loop checks the position every kChunk values, and each block's
+// end (blocks are whole chunks).
 constexpr int64_t kChunk = 64;
+static_assert(kBlockValues % kChunk == 0);
+
+// Whether the values before end (a chunk's end) are a block's end at another position than
+// the block table's.
+template <typename D>
+inline bool block_mismatch(const PartDecode<D>& d, int64_t end, int64_t pos) {
+  return (end % kBlockValues == 0 || end == d.values) && pos != d.block_end[(end - 1) / kBlockValues];
+}
 
 template <typename D>
 inline uint64_t peek_bits(const uint8_t* stream, int64_t pos) {
@@ -443,9 +467,14 @@ template <typename D>
 void decode_serial(PartDecode<D>& d) {
   int64_t pos = d.pos;
   for (int64_t first = d.done; first < d.limit; first += kChunk) {
-    pos = decode_run(d, first, std::min(first + kChunk, d.limit), pos);
+    const int64_t end = std::min(first + kChunk, d.limit);
+    pos = decode_run(d, first, end, pos);
     if (pos > d.total_bits) {  // the stream ends early
       d.fault = kFaultLength;
+      return;
+    }
+    if (block_mismatch(d, end, pos)) {
+      d.fault = kFaultBlocks;
       return;
     }
   }
@@ -480,7 +509,8 @@ void decode_serial2(PartDecode<D>& a, PartDecode<D>& b) {
         pb += decode_one(b, i, bits_b);
       }
     }
-    if (pa > a.total_bits || pb > b.total_bits) {  // an early end: both redo this chunk alone
+    if (pa > a.total_bits || pb > b.total_bits || block_mismatch(a, first + kChunk, pa) ||
+        block_mismatch(b, first + kChunk, pb)) {  // an early end or a block's: both redo this chunk alone
       pa = start_a, pb = start_b;
       break;
     }
@@ -559,6 +589,23 @@ void decode_begin(const Part& p, const uint8_t* anchor, const uint8_t* body, int
     previous = ctx;
     at += L::kTableBytes;
   }
+  // the block table: the stream must be as long as it says
+  const int64_t blocks = blocks_of(values);
+  if (at + 2 * blocks > length) {
+    d.fault = kFaultLength;
+    return;
+  }
+  grow(s.block_end, blocks);
+  int64_t stream_end = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    stream_end += body[at + 2 * b] | body[at + 2 * b + 1] << 8;
+    s.block_end[b] = stream_end;
+  }
+  at += 2 * blocks;
+  if (length - at != (stream_end + 7) / 8) {
+    d.fault = kFaultLength;
+    return;
+  }
   grow(s.table, table_size);
   uint32_t* table = s.table.data();
   table[0] = 0;
@@ -628,6 +675,7 @@ void decode_begin(const Part& p, const uint8_t* anchor, const uint8_t* body, int
   d.coded = true;
   d.limit = limit;
   d.total_bits = 8 * stream_bytes;
+  d.block_end = s.block_end.data();
   d.stream = s.stream.data();
   d.context = s.context.data();
   d.z = s.z.data();
@@ -643,10 +691,6 @@ void decode_end(const LosslessScratch<D>& s, typename D::Word* out, PartDecode<D
   const int64_t values = d.values, pos = d.pos, total_bits = d.total_bits;
   if (d.limit < values) {
     d.fault = kFaultNoTable;
-    return;
-  }
-  if (total_bits - pos >= 8) {
-    d.fault = kFaultLength;
     return;
   }
   if (pos < total_bits && (peek_bits<D>(d.stream, pos) & ((uint64_t{1} << (total_bits - pos)) - 1))) {

@@ -1,11 +1,13 @@
 """The ``codec`` step: the Triton codec's unit tests, run on the GPU.
 
-Runs:    ``python -m pytest -q -p no:cacheprovider test/unit/test_codec_triton.py`` as a
-         subprocess in ``--repo`` (this checkout by default) with TRITON_INTERPRET unset, so
-         that the Triton kernels run on the GPU, not in Triton's interpreter, against the
-         torch reference; for at most 300 s, and no longer than the budget left.
-Device:  the first CUDA device (the test file runs on it whenever torch sees one).
-Reports: one row, the test file with pytest's summary line; details: the command, pytest's
+Runs:    ``python -m pytest -q -p no:cacheprovider test/unit/test_codec_triton.py
+         test/unit/test_codec_lossless_cuda.py`` (the Anchor kernels, the device coder of
+         the lossless Residual) as a subprocess in ``--repo`` (this checkout by default)
+         with TRITON_INTERPRET unset, so that the Triton kernels run on the GPU, not in
+         Triton's interpreter, against the torch reference and the CPU codec; for at most
+         300 s, and no longer than the budget left.
+Device:  the first CUDA device (the test files run on it whenever torch sees one).
+Reports: one row, the test files with pytest's summary line; details: the command, pytest's
          exit status, its summary and counts (passed, failed, skipped, ...), and the tail of
          its output when the step failed.
 Fails:   when the test file is not under ``--repo``, pytest runs past its time, exits
@@ -28,23 +30,28 @@ import sys
 from typing import Any
 
 from lynx.tools.gpu_check.common import Context, Item, StepResult
-from lynx.tools.gpu_check.options import CODEC_TEST, Options
+from lynx.tools.gpu_check.options import CODEC_TESTS, Options
 
 
 def codec_command() -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CODEC_TEST)]
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, CODEC_TESTS)]
+
+
+def _missing(options: Options) -> list[str]:
+    return [str(path) for path in CODEC_TESTS if not (options.repo / path).is_file()]
 
 
 def plan_codec(options: Options) -> tuple[str, dict[str, Any]]:
-    found = (options.repo / CODEC_TEST).is_file()
+    missing = _missing(options)
+    found = not missing
     return (
-        f"pytest {CODEC_TEST} in {options.repo}, TRITON_INTERPRET unset"
-        + ("" if found else " (the file is missing there: the step would fail)"),
+        f"pytest {' '.join(map(str, CODEC_TESTS))} in {options.repo}, TRITON_INTERPRET unset"
+        + ("" if found else f" ({', '.join(missing)} missing there: the step would fail)"),
         {
             "command": codec_command(),
             "cwd": str(options.repo),
             "env": "TRITON_INTERPRET unset: the kernels run on the GPU",
-            "test_file_found": found,
+            "test_files_found": found,
         },
     )
 
@@ -66,8 +73,9 @@ def pytest_outcome(returncode: int, stdout: str) -> tuple[bool, str, dict[str, i
 
 def step_codec(ctx: Context) -> StepResult:
     options = ctx.options
-    if not (options.repo / CODEC_TEST).is_file():
-        return StepResult("codec", "failed", f"{CODEC_TEST} not found under {options.repo} (--repo)")
+    missing = _missing(options)
+    if missing:
+        return StepResult("codec", "failed", f"{', '.join(missing)} not found under {options.repo} (--repo)")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     command = codec_command()
@@ -87,6 +95,6 @@ def step_codec(ctx: Context) -> StepResult:
         "codec",
         "ok" if ok else "failed",
         reason,
-        items=[Item(str(CODEC_TEST), "ok" if ok else "failed", summary)],
+        items=[Item(" ".join(path.name for path in CODEC_TESTS), "ok" if ok else "failed", summary)],
         details=details,
     )

@@ -10,7 +10,7 @@ Provides:
 
 ``--steps`` is canonicalised: each step once, in ``STEPS`` order, whatever the order given.
 ``--ib-device`` implies ``--transfer rdma``. The constants the flags are bounded by or name
-(``PROMPTS``, ``CODEC_TEST``, ``RDMA_ROOT``) live here, and the steps read them from here.
+(``PROMPTS``, ``CODEC_TESTS``, ``RDMA_ROOT``) live here, and the steps read them from here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lynx.tools.gpu_check.device import PEAK_GBPS
 DESCRIPTION = "The GPU check: a prepared run on one CUDA host, a few minutes long, not part of CI."
 STEPS = ("codec", "bytes", "throughput", "pd")
 DEFAULT_OUT = Path("benchmark/results/gpu_check.json")
-CODEC_TEST = Path("test/unit/test_codec_triton.py")
+CODEC_TESTS = (Path("test/unit/test_codec_triton.py"), Path("test/unit/test_codec_lossless_cuda.py"))
 RDMA_ROOT = Path("/sys/class/infiniband")
 PROMPTS = (  # the pd step's greedy prompts; --prompts takes the first ones
     "The capital of France is",
@@ -69,7 +69,7 @@ class Options:
 def _default_repo() -> Path:
     """This module's checkout when it has the codec tests, else the current directory."""
     checkout = Path(__file__).resolve().parents[4]
-    return checkout if (checkout / CODEC_TEST).is_file() else Path.cwd()
+    return checkout if (checkout / CODEC_TESTS[0]).is_file() else Path.cwd()
 
 
 def _steps(text: str) -> tuple[str, ...]:
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         + "; else unknown)",
     )
     parser.add_argument(
-        "--repo", type=Path, default=None, help=f"the checkout holding {CODEC_TEST} (default: this one)"
+        "--repo", type=Path, default=None, help="the checkout holding the codec tests (default: this one)"
     )
     parser.add_argument("--bytes-tokens", type=_positive_int, default=512, help="segment tokens (bytes)")
     parser.add_argument(

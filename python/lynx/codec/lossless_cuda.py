@@ -1,0 +1,396 @@
+"""The lossless Residual on a CUDA device: the same bytes as ``lossless.py`` (the
+specification) and the C++ codec, coded and decoded where the KV pool is.
+
+Encode (torch operations, one synchronisation): each value's context, symbol and raw bits
+from its word and its Anchor-only word (the Triton Anchor decode); one histogram per
+part, copied to the host, where ``lossless.code_lengths`` builds the codes; then every
+value's field is placed at its bit offset (a prefix sum of the fields' widths) and or-ed
+into the stream by an integer scatter-add (fields never overlap, so adding is or-ing). The
+block table is the sum of each block's widths.
+
+Decode: headers (at most ``lossless.max_header_nbytes`` bytes a part) copied to the host
+and checked there (``lossless.read_header``); a 4096-entry lookup table per (part,
+context) built on the device (canonical codes fill contiguous ranges of the 12 peeked bits
+read most significant first); then the Triton kernel ``_decode_blocks``: one lane per
+block of ``BLOCK_VALUES`` values, starting where the block table says and checking that it
+ends where the table says. Words, range and non-finite checks in torch; the decoded words
+are returned only when every part is sound (one synchronisation), so a caller writes no
+row of a corrupt Residual.
+
+16-bit words only (bf16, fp16): a value takes at most 12 + 16 bits, so a 64-bit window of
+two 32-bit words holds it at any bit offset. ``supports`` says which; an fp32 pool's
+lossless Residual is coded on the host (``backend.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import cpp_backend, lossless, reference, triton_kernels
+from .format import CodecConfig, CodecInputError, Kind, part_layout
+
+_PEEK = lossless.MAX_CODE_BITS
+_LUT_SIZE = 1 << _PEEK
+_LANES = 128  # blocks per program
+_INVALID = -1  # a lookup entry of a context without a table
+# faults as cpp_backend.RESIDUAL_FAULTS indexes them
+_FAULT_NO_TABLE, _FAULT_RANGE, _FAULT_NON_FINITE, _FAULT_BLOCKS = 4, 6, 7, 9
+_REVERSED = {}  # device -> the 12-bit bit reversal of 0..4095
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether this path codes a pool of ``dtype`` (16-bit words)."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LosslessPart:
+    """One part as this module sees it: its Anchor bytes (on the device), its kind and its
+    (tokens, channels)."""
+
+    anchor: torch.Tensor
+    kind: Kind
+    shape: tuple[int, int]
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """16-bit words of a tensor as int32 in 0..65535."""
+    return x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _ordinals(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 0x8000, 0x7FFF - words, words)
+
+
+@dataclass
+class _Model:
+    """Each value's Anchor-only word and context, all parts in one flat array."""
+
+    anchor_words: torch.Tensor  # int32
+    contexts: torch.Tensor  # int32
+    starts: list[int]  # each part's first value, then the total
+    part_of_value: torch.Tensor  # int64
+
+
+def _model(parts: Sequence[LosslessPart], dtype: torch.dtype, config: CodecConfig) -> _Model:
+    fmt = lossless.word_format(dtype)
+    anchor_words, contexts, starts = [], [], [0]
+    exponent_mask = (1 << (fmt.word_bits - 1 - fmt.fraction_bits)) - 1
+    for part in parts:
+        n, channels = part.shape
+        layout = part_layout(n, channels, part.kind, config, dtype)
+        anchor_only = torch.empty((n, channels), dtype=dtype, device=part.anchor.device)
+        triton_kernels.decode_rows(part.anchor, None, anchor_only, None, part.kind, config, layout)
+        scales = reference.params(part.anchor, layout, layout.scales_offset, dtype)
+        scale_words = _words(reference.value_scales(scales, n, channels, part.kind, config)).view(-1)
+        words = _words(anchor_only).view(-1)
+        context = ((scale_words >> fmt.fraction_bits) & exponent_mask) - (
+            (words >> fmt.fraction_bits) & exponent_mask
+        )
+        anchor_words.append(words)
+        contexts.append((context + fmt.fraction_bits).clamp_(0, fmt.symbols - 1))
+        starts.append(starts[-1] + words.numel())
+    device = parts[0].anchor.device
+    sizes = torch.tensor(np.diff(starts), device=device)
+    return _Model(
+        torch.cat(anchor_words),
+        torch.cat(contexts),
+        starts,
+        torch.repeat_interleave(torch.arange(len(parts), device=device), sizes),
+    )
+
+
+def encode_bodies(
+    parts: Sequence[LosslessPart],
+    values: Sequence[torch.Tensor],
+    config: CodecConfig,
+    outs: Sequence[torch.Tensor],
+) -> list[int]:
+    """Write the lossless body of each part's ``values`` (its (n, C) rows, its Anchor
+    already encoded) into its ``out`` (its capacity, zeroed past the body); returns each
+    body's length."""
+    dtype = values[0].dtype
+    fmt = lossless.word_format(dtype)
+    symbols, device = fmt.symbols, values[0].device
+    model = _model(parts, dtype, config)
+    d = _ordinals(torch.cat([_words(x).view(-1) for x in values])) - _ordinals(model.anchor_words)
+    z = torch.where(d >= 0, 2 * d, -2 * d - 1)  # < 2**17: exact as float32
+    symbol = ((z.float().view(torch.int32) >> 23) - 126).clamp_(min=0)  # bit length of z
+    key = model.contexts * symbols + symbol
+    counts = torch.bincount(model.part_of_value * symbols * symbols + key, minlength=len(parts) * symbols**2)
+    counts_host = counts.view(len(parts), symbols, symbols).cpu().numpy()
+    headers, coded = [], []
+    code_bits = np.zeros((len(parts), symbols, symbols), dtype=np.int64)
+    code_values = np.zeros_like(code_bits)
+    raw_bits = np.maximum(np.arange(symbols) - 1, 0)
+    for index, part_counts in enumerate(counts_host):
+        header = bytearray([lossless.CODED, 0])
+        for context in np.flatnonzero(part_counts.sum(1)):
+            lengths = lossless.code_lengths(part_counts[context].tolist())
+            header[1] += 1
+            header.append(int(context))
+            header += bytes(
+                lengths[j] | (lengths[j + 1] << 4 if j + 1 < symbols else 0) for j in range(0, symbols, 2)
+            )
+            single = np.count_nonzero(lengths) == 1
+            code_bits[index, context] = 0 if single else lengths
+            code_values[index, context] = lossless.canonical_codes(lengths)
+        size = model.starts[index + 1] - model.starts[index]
+        stream_bits = int((part_counts * (code_bits[index] + raw_bits)).sum())
+        body = len(header) + 2 * lossless.blocks_of(size) + -(-stream_bits // 8)
+        coded.append(body < lossless.max_body_nbytes(size, dtype))
+        headers.append((bytes(header), stream_bits))
+    flat_key = model.part_of_value * symbols * symbols + key
+    n_code = torch.from_numpy(code_bits).to(device).view(-1)[flat_key]
+    n_raw = (symbol - 1).clamp_(min=0)
+    width = n_code + n_raw
+    code = torch.from_numpy(code_values).to(device).view(-1)[flat_key]
+    field = code | ((z & ((1 << n_raw) - 1)).to(torch.int64) << n_code)
+    # Each part's stream starts at a 32-bit word of one buffer; a field at bit offset o of
+    # word k is at most 28 + 31 bits: its low 32 bits go to word k, the rest to word k + 1.
+    starts = torch.tensor(model.starts[:-1], device=device)
+    offset = torch.cumsum(width, 0) - width
+    offset -= offset[starts][model.part_of_value]
+    stream_words = [-(-bits // 32) + 1 for _, bits in headers]
+    word_base = np.concatenate([[0], np.cumsum(stream_words)])
+    at = offset + 32 * torch.from_numpy(word_base[:-1]).to(device)[model.part_of_value]
+    shifted = field << (at & 31)
+    stream = torch.zeros(int(word_base[-1]) + 1, dtype=torch.int64, device=device)
+    stream.index_add_(0, at >> 5, shifted & 0xFFFFFFFF)
+    stream.index_add_(0, (at >> 5) + 1, shifted >> 32)
+    stream_bytes = (
+        torch.where(stream >= 1 << 31, stream - (1 << 32), stream).to(torch.int32).view(torch.uint8)
+    )
+    value_index = torch.arange(width.numel(), device=device) - starts[model.part_of_value]
+    block_count = [lossless.blocks_of(model.starts[i + 1] - model.starts[i]) for i in range(len(parts))]
+    block_base = np.concatenate([[0], np.cumsum(block_count)[:-1]]).astype(np.int64)
+    blocks = torch.zeros(sum(block_count), dtype=torch.int64, device=device)
+    first_block = torch.from_numpy(block_base).to(device)[model.part_of_value]
+    blocks.index_add_(0, first_block + value_index // lossless.BLOCK_VALUES, width)
+    block_bytes = torch.stack([blocks & 0xFF, blocks >> 8], 1).to(torch.uint8).view(-1)
+    header_base = np.concatenate([[0], np.cumsum([len(header) for header, _ in headers])]).astype(np.int64)
+    header_bytes = torch.frombuffer(bytearray(b"".join(h for h, _ in headers)), dtype=torch.uint8).to(device)
+    used = []
+    for index, (x, out) in enumerate(zip(values, outs, strict=True)):
+        out.zero_()
+        if not coded[index]:
+            raw = x.contiguous().view(torch.uint8).view(-1)
+            out[0] = lossless.RAW
+            out[1 : 1 + raw.numel()] = raw
+            used.append(1 + raw.numel())
+            continue
+        header, bits = headers[index]
+        at_block = len(header)
+        at_stream = at_block + 2 * block_count[index]
+        out[:at_block] = header_bytes[header_base[index] : header_base[index + 1]]
+        block_at = 2 * int(block_base[index])
+        out[at_block:at_stream] = block_bytes[block_at : block_at + 2 * block_count[index]]
+        nbytes = -(-bits // 8)
+        first_byte = 4 * int(word_base[index])
+        out[at_stream : at_stream + nbytes] = stream_bytes[first_byte : first_byte + nbytes]
+        used.append(at_stream + nbytes)
+    return used
+
+
+def _reversed_bits(device: torch.device) -> torch.Tensor:
+    if device not in _REVERSED:
+        _REVERSED[device] = torch.tensor(
+            [int(f"{j:0{_PEEK}b}"[::-1], 2) for j in range(_LUT_SIZE)], dtype=torch.int64, device=device
+        )
+    return _REVERSED[device]
+
+
+def _lookup_tables(
+    tables: Sequence[dict[int, list[int]]], symbols: int, device: torch.device
+) -> torch.Tensor:
+    """(parts * symbols * 4096) int16: for each part and context, what the next 12 bits of
+    the stream (first bit lowest) decode to: symbol | code bits << 8, or ``_INVALID``."""
+    entries, repeats = [], []
+    for part_tables in tables:
+        for context in range(symbols):
+            lengths = part_tables.get(context)
+            if lengths is None:
+                entries.append(_INVALID)
+                repeats.append(_LUT_SIZE)
+                continue
+            used = sorted((n, s) for s, n in enumerate(lengths) if n)
+            single = len(used) == 1
+            for n, s in used:  # canonical order: contiguous ranges, most significant bit first
+                entries.append(s | (0 if single else n) << 8)
+                repeats.append(_LUT_SIZE if single else 1 << (_PEEK - n))
+    by_value = torch.repeat_interleave(
+        torch.tensor(entries, dtype=torch.int16, device=device),
+        torch.tensor(repeats, device=device),
+        output_size=len(tables) * symbols * _LUT_SIZE,
+    )
+    return by_value.view(-1, _LUT_SIZE)[:, _reversed_bits(device)].reshape(-1)
+
+
+@triton.jit
+def _decode_blocks(
+    words_ptr,
+    n_words,
+    lut_ptr,
+    context_ptr,
+    z_ptr,
+    lut_row_ptr,
+    first_ptr,
+    count_ptr,
+    bit_ptr,
+    end_ptr,
+    fault_ptr,
+    lanes,
+    BLOCK_VALUES: tl.constexpr,
+    LANES: tl.constexpr,
+    FAULT_NO_TABLE: tl.constexpr,
+    FAULT_BLOCKS: tl.constexpr,
+):
+    """One lane per block: decode its values' z from the stream words (int32, bits LSB
+    first), starting at its bit, and record whether it ends where the block table says."""
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    live = lane < lanes
+    lut_row = tl.load(lut_row_ptr + lane, mask=live, other=0)
+    first = tl.load(first_ptr + lane, mask=live, other=0)
+    count = tl.load(count_ptr + lane, mask=live, other=0)
+    pos = tl.load(bit_ptr + lane, mask=live, other=0)
+    end = tl.load(end_ptr + lane, mask=live, other=0)
+    no_table = tl.zeros([LANES], dtype=tl.int1)
+    for i in range(BLOCK_VALUES):
+        on = live & (i < count)
+        word = pos >> 5
+        lo = tl.load(words_ptr + word, mask=on & (word < n_words), other=0).to(tl.uint32, bitcast=True)
+        hi = tl.load(words_ptr + word + 1, mask=on & (word + 1 < n_words), other=0).to(
+            tl.uint32, bitcast=True
+        )
+        window = ((hi.to(tl.uint64) << 32) | lo.to(tl.uint64)) >> (pos & 31).to(tl.uint64)
+        context = tl.load(context_ptr + first + i, mask=on, other=0).to(tl.int64)
+        entry = tl.load(lut_ptr + (lut_row + context) * 4096 + (window & 4095).to(tl.int64), mask=on, other=0)
+        entry = entry.to(tl.int32)
+        no_table = no_table | (on & (entry < 0))
+        entry = tl.where(entry < 0, 0, entry)
+        symbol = entry & 0xFF
+        n_code = entry >> 8
+        n_raw = tl.maximum(symbol - 1, 0)
+        raw_mask = (tl.full([LANES], 1, tl.uint64) << n_raw.to(tl.uint64)) - 1
+        raw = ((window >> n_code.to(tl.uint64)) & raw_mask).to(tl.int32)
+        z = tl.where(symbol >= 2, (1 << n_raw) | raw, symbol)
+        tl.store(z_ptr + first + i, z, mask=on)
+        pos += tl.where(on, n_code + n_raw, 0).to(tl.int64)
+    fault = tl.where(no_table, FAULT_NO_TABLE, tl.where(pos != end, FAULT_BLOCKS, 0))
+    tl.store(fault_ptr + lane, fault, mask=live)
+
+
+def decode_bodies(
+    parts: Sequence[LosslessPart],
+    bodies: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    config: CodecConfig,
+    wheres: Sequence[str],
+) -> list[torch.Tensor]:
+    """Each part's original values as a new (n, C) ``dtype`` tensor, decoded from its
+    lossless body (``wheres`` name the parts in errors); CodecInputError, and nothing
+    returned, if any body is corrupt."""
+    device = parts[0].anchor.device
+    fmt = lossless.word_format(dtype)
+    model = _model(parts, dtype, config)
+    sizes = [model.starts[i + 1] - model.starts[i] for i in range(len(parts))]
+    prefix = [
+        min(body.numel(), lossless.max_header_nbytes(n, fmt)) for body, n in zip(bodies, sizes, strict=True)
+    ]
+    # one copy to the host: each body's header and its last byte (the stream's padding)
+    heads = torch.cat(
+        [piece for body, n in zip(bodies, prefix, strict=True) for piece in (body[:n], body[-1:])]
+    )
+    host = heads.cpu().numpy().tobytes()
+    raw_parts, coded_parts, headers = [], [], []
+    at = 0
+    for index, (body, length) in enumerate(zip(bodies, prefix, strict=True)):
+        head, last, at = host[at : at + length], host[at + length], at + length + 1
+        try:
+            if head[0] == lossless.RAW:
+                if body.numel() != lossless.max_body_nbytes(sizes[index], dtype):
+                    raise CodecInputError(
+                        f"corrupt lossless residual: a raw part body of {body.numel()} bytes "
+                        f"for {sizes[index]} values"
+                    )
+                raw_parts.append(index)
+            elif head[0] == lossless.CODED:
+                header = lossless.read_header(head, body.numel(), sizes[index], fmt)
+                stream_end = header.block_starts[-1]
+                if stream_end % 8 and last >> (stream_end % 8):
+                    raise CodecInputError("corrupt lossless residual: bytes or bits set past the last value")
+                headers.append(header)
+                coded_parts.append(index)
+            else:
+                raise CodecInputError(f"corrupt lossless residual: unknown part format {head[0]}")
+        except CodecInputError as exc:
+            raise CodecInputError(f"{exc} (in {wheres[index]})") from exc
+    z = torch.zeros(model.starts[-1], dtype=torch.int32, device=device)
+    # per part: the kernel's fault, out of range, non-finite (cpp_backend.RESIDUAL_FAULTS)
+    faults = [torch.zeros(len(parts), dtype=torch.int32, device=device) for _ in range(3)]
+    words = torch.empty_like(z)
+    if coded_parts:
+        streams = torch.cat(
+            [bodies[i][h.stream_at :] for i, h in zip(coded_parts, headers, strict=True)]
+            + [torch.zeros(8, dtype=torch.uint8, device=device)]
+        )
+        streams = torch.nn.functional.pad(streams, (0, -streams.numel() % 4))
+        lut = _lookup_tables([h.tables for h in headers], fmt.symbols, device)
+        lane_rows, lane_first, lane_count, lane_bit, lane_end, lane_part = [], [], [], [], [], []
+        stream_at = 0
+        for row, (index, header) in enumerate(zip(coded_parts, headers, strict=True)):
+            blocks = len(header.block_starts) - 1
+            first = model.starts[index] + lossless.BLOCK_VALUES * np.arange(blocks)
+            lane_rows.append(np.full(blocks, row * fmt.symbols))
+            lane_first.append(first)
+            lane_count.append(np.minimum(lossless.BLOCK_VALUES, model.starts[index + 1] - first))
+            starts = 8 * stream_at + np.asarray(header.block_starts)
+            lane_bit.append(starts[:-1])
+            lane_end.append(starts[1:])
+            lane_part.append(np.full(blocks, index))
+            stream_at += bodies[index].numel() - header.stream_at
+        lanes = [
+            torch.from_numpy(np.concatenate(a).astype(np.int64)).to(device)
+            for a in (lane_rows, lane_first, lane_count, lane_bit, lane_end, lane_part)
+        ]
+        lane_fault = torch.empty(lanes[0].numel(), dtype=torch.int32, device=device)
+        _decode_blocks[(triton.cdiv(lane_fault.numel(), _LANES),)](
+            streams.view(torch.int32),
+            streams.numel() // 4,
+            lut,
+            model.contexts,
+            z,
+            *lanes[:5],
+            lane_fault,
+            lane_fault.numel(),
+            BLOCK_VALUES=lossless.BLOCK_VALUES,
+            LANES=_LANES,
+            FAULT_NO_TABLE=_FAULT_NO_TABLE,
+            FAULT_BLOCKS=_FAULT_BLOCKS,
+        )
+        faults[0].scatter_reduce_(0, lanes[5], lane_fault, "amax")
+        d = (z >> 1) ^ -(z & 1)
+        ordinal = _ordinals(model.anchor_words) + d
+        words = torch.where(ordinal < 0, 0x7FFF - ordinal, ordinal)
+        out_of_range = ((ordinal < -0x8000) | (ordinal > 0x7FFF)).to(torch.int32) * _FAULT_RANGE
+        faults[1].scatter_reduce_(0, model.part_of_value, out_of_range, "amax")
+    for index in raw_parts:
+        start = model.starts[index]
+        words[start : model.starts[index + 1]] = _words(bodies[index][1:].clone().view(dtype))
+    exponent_field = ((1 << (fmt.word_bits - 1 - fmt.fraction_bits)) - 1) << fmt.fraction_bits
+    non_finite = ((words & exponent_field) == exponent_field).to(torch.int32) * _FAULT_NON_FINITE
+    faults[2].scatter_reduce_(0, model.part_of_value, non_finite, "amax")
+    for index, part_faults in enumerate(torch.stack(faults, 1).cpu().tolist()):
+        fault = next((fault for fault in part_faults if fault), 0)
+        if fault:
+            raise CodecInputError(
+                f"corrupt lossless residual of {wheres[index]}: {cpp_backend.RESIDUAL_FAULTS[fault]}"
+            )
+    signed = torch.where(words >= 0x8000, words - 0x10000, words).to(torch.int16).view(dtype)
+    return [signed[model.starts[i] : model.starts[i + 1]].view(part.shape) for i, part in enumerate(parts)]
