@@ -160,6 +160,13 @@ def test_backend_env_selects_the_path(monkeypatch) -> None:
         backend.encode_rows(pool, None, "value", config, anchor, residual)
 
 
+def test_the_cpp_codec_takes_cpu_tensors_only(monkeypatch) -> None:
+    # A CUDA server with the C++ codec built sent its pool's parts to it (found on a GPU).
+    monkeypatch.setenv(backend.BACKEND_ENV, "cpp")
+    assert backend._use_cpp(torch.empty(4, 64))
+    assert not backend._use_cpp(torch.empty(4, 64, device="meta"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("array", "value"),

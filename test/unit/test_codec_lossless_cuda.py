@@ -163,3 +163,19 @@ def test_padding_bits_and_non_finite_raw_words_are_refused() -> None:
             lossless_cuda.decode_bodies(
                 _device_parts([part]), [bad.to(DEVICE)], torch.bfloat16, config, ["p"]
             )
+
+
+def test_a_segment_through_the_device_path_has_the_cpu_codecs_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_pages and decode_pages of a pool on the device (here, without a GPU, CPU
+    tensors sent down the device path) digest as the C++ codec's, in every codec mode."""
+    from lynx.codec import KVLayout
+    from lynx.tools.codec_bench import MODES, cpu_backend, make_segment
+
+    layout = KVLayout(2, 3, 64, torch.bfloat16)
+    for name, config in MODES.items():
+        with cpu_backend("cpp" if backend.cpp_backend.available() else "reference"):
+            expected = make_segment(layout, 12, config, "cpu").digests()
+        with monkeypatch.context() as patch:
+            if DEVICE == "cpu":
+                patch.setattr(backend, "_use_triton", lambda t: True)
+            assert make_segment(layout, 12, config, DEVICE).digests() == expected, name

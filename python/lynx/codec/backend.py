@@ -45,8 +45,8 @@ def _cpu_backend() -> CodecBackend:
 
 
 def _use_cpp(rows: torch.Tensor) -> bool:
-    """Whether a CPU part goes to the C++ codec."""
-    return _cpu_backend() == "cpp" and rows.is_contiguous()
+    """Whether a part goes to the C++ codec: a contiguous CPU one, where it is chosen."""
+    return rows.device.type == "cpu" and _cpu_backend() == "cpp" and rows.is_contiguous()
 
 
 def warm_up(device: torch.device | str) -> CodecBackend:
@@ -174,7 +174,7 @@ def decode_rows(
         all_rows = torch.arange(n, device=rows.device) if slots is None else slots
         decode_parts([PartIO(rows, kind, anchor, residual)], all_rows, config, ["the part"])
         return
-    if rows.device.type == "cpu" and _use_cpp(rows):
+    if _use_cpp(rows):
         _raise_residual_faults(
             cpp_backend.decode_parts([PartIO(rows, kind, anchor, residual)], slots, config)
         )
@@ -232,6 +232,8 @@ def encode_parts(
 ) -> list[int]:
     """``encode_rows`` of several parts (in wire order; ``wheres`` name them in errors); the
     C++ codec runs them all in one parallel region. Returns each part's Residual bytes."""
+    if parts and _use_triton(parts[0].rows):
+        return _encode_on_device(parts, wheres, slots, config, head_dim)
     if not (parts and _use_cpp(parts[0].rows)) or not all(part.rows.is_contiguous() for part in parts):
         return [
             encode_rows(part.rows, slots, part.kind, config, part.anchor, part.residual, where, head_dim)
