@@ -24,6 +24,7 @@ lossless Residual is coded on the host (``backend.py``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cpp_backend, lossless, reference, triton_kernels
+from . import cpp_backend, lossless, triton_kernels
 from .format import CodecConfig, CodecInputError, Kind, part_layout
 
 _PEEK = lossless.MAX_CODE_BITS
@@ -79,30 +80,24 @@ class _Model:
 
 
 def _model(parts: Sequence[LosslessPart], dtype: torch.dtype, config: CodecConfig) -> _Model:
-    fmt = lossless.word_format(dtype)
-    anchor_words, contexts, starts = [], [], [0]
-    exponent_mask = (1 << (fmt.word_bits - 1 - fmt.fraction_bits)) - 1
-    for part in parts:
-        n, channels = part.shape
-        layout = part_layout(n, channels, part.kind, config, dtype)
-        anchor_only = torch.empty((n, channels), dtype=dtype, device=part.anchor.device)
-        triton_kernels.decode_rows(part.anchor, None, anchor_only, None, part.kind, config, layout)
-        scales = reference.params(part.anchor, layout, layout.scales_offset, dtype)
-        scale_words = _words(reference.value_scales(scales, n, channels, part.kind, config)).view(-1)
-        words = _words(anchor_only).view(-1)
-        context = ((scale_words >> fmt.fraction_bits) & exponent_mask) - (
-            (words >> fmt.fraction_bits) & exponent_mask
-        )
-        anchor_words.append(words)
-        contexts.append((context + fmt.fraction_bits).clamp_(0, fmt.symbols - 1))
-        starts.append(starts[-1] + words.numel())
+    """Anchor-only words and contexts of every part: one Triton launch a part."""
     device = parts[0].anchor.device
-    sizes = torch.tensor(np.diff(starts), device=device)
+    starts = np.concatenate([[0], np.cumsum([n * channels for n, channels in (p.shape for p in parts)])])
+    total = int(starts[-1])
+    anchor_only = torch.empty(total, dtype=dtype, device=device)
+    contexts = torch.empty(total, dtype=torch.int32, device=device)
+    for part, start, end in zip(parts, starts[:-1], starts[1:], strict=True):
+        layout = part_layout(*part.shape, part.kind, config, dtype)
+        rows = anchor_only[start:end].view(part.shape)
+        triton_kernels.decode_rows(
+            part.anchor, None, rows, None, part.kind, config, layout, contexts[start:end]
+        )
+    sizes = torch.from_numpy(np.diff(starts)).to(device)
     return _Model(
-        torch.cat(anchor_words),
-        torch.cat(contexts),
-        starts,
-        torch.repeat_interleave(torch.arange(len(parts), device=device), sizes),
+        _words(anchor_only),
+        contexts,
+        starts.tolist(),
+        torch.repeat_interleave(torch.arange(len(parts), device=device), sizes, output_size=total),
     )
 
 
@@ -119,12 +114,19 @@ def encode_bodies(
     fmt = lossless.word_format(dtype)
     symbols, device = fmt.symbols, values[0].device
     model = _model(parts, dtype, config)
-    d = _ordinals(torch.cat([_words(x).view(-1) for x in values])) - _ordinals(model.anchor_words)
+    d = _ordinals(_words(torch.cat([x.reshape(-1) for x in values]))) - _ordinals(model.anchor_words)
     z = torch.where(d >= 0, 2 * d, -2 * d - 1)  # < 2**17: exact as float32
     symbol = ((z.float().view(torch.int32) >> 23) - 126).clamp_(min=0)  # bit length of z
     key = model.contexts * symbols + symbol
-    counts = torch.bincount(model.part_of_value * symbols * symbols + key, minlength=len(parts) * symbols**2)
-    counts_host = counts.view(len(parts), symbols, symbols).cpu().numpy()
+    # one histogram per part; 32 copies of it, by value index, so that a warp's increments
+    # fall on different counters rather than on the few hottest ones
+    spread = (model.part_of_value * symbols * symbols + key) * 32 + (
+        torch.arange(key.numel(), device=device) & 31
+    )
+    counts = torch.bincount(spread, minlength=len(parts) * symbols**2 * 32).view(
+        len(parts), symbols, symbols, 32
+    )
+    counts_host = counts.sum(3).cpu().numpy()
     headers, coded = [], []
     code_bits = np.zeros((len(parts), symbols, symbols), dtype=np.int64)
     code_values = np.zeros_like(code_bits)
@@ -167,35 +169,87 @@ def encode_bodies(
     stream_bytes = (
         torch.where(stream >= 1 << 31, stream - (1 << 32), stream).to(torch.int32).view(torch.uint8)
     )
-    value_index = torch.arange(width.numel(), device=device) - starts[model.part_of_value]
+    # the block table: each block's bits, a difference of the prefix sum at its ends
+    prefix = torch.nn.functional.pad(torch.cumsum(width, 0), (1, 0))
     block_count = [lossless.blocks_of(model.starts[i + 1] - model.starts[i]) for i in range(len(parts))]
-    block_base = np.concatenate([[0], np.cumsum(block_count)[:-1]]).astype(np.int64)
-    blocks = torch.zeros(sum(block_count), dtype=torch.int64, device=device)
-    first_block = torch.from_numpy(block_base).to(device)[model.part_of_value]
-    blocks.index_add_(0, first_block + value_index // lossless.BLOCK_VALUES, width)
+    block_first = np.concatenate(
+        [model.starts[i] + lossless.BLOCK_VALUES * np.arange(count) for i, count in enumerate(block_count)]
+    )
+    block_end = np.minimum(block_first + lossless.BLOCK_VALUES, np.repeat(model.starts[1:], block_count))
+    blocks = prefix[torch.from_numpy(block_end).to(device)] - prefix[torch.from_numpy(block_first).to(device)]
     block_bytes = torch.stack([blocks & 0xFF, blocks >> 8], 1).to(torch.uint8).view(-1)
-    header_base = np.concatenate([[0], np.cumsum([len(header) for header, _ in headers])]).astype(np.int64)
+    # Every body laid out in one image of the outputs' capacities, then copied out.
+    capacity = [out.numel() for out in outs]
+    base = np.concatenate([[0], np.cumsum(capacity)]).astype(np.int64)
+    image = torch.zeros(int(base[-1]), dtype=torch.uint8, device=device)
+    header_nbytes = [len(header) for header, _ in headers]
+    stream_nbytes = [-(-bits // 8) for _, bits in headers]
+    used = [
+        header_nbytes[i] + 2 * block_count[i] + stream_nbytes[i]
+        if coded[i]
+        else lossless.max_body_nbytes(model.starts[i + 1] - model.starts[i], dtype)
+        for i in range(len(parts))
+    ]
+    c = np.flatnonzero(coded)
+    r = np.flatnonzero(~np.asarray(coded))
+    header_at = np.concatenate([[0], np.cumsum(header_nbytes)]).astype(np.int64)
+    block_at = 2 * np.concatenate([[0], np.cumsum(block_count)]).astype(np.int64)
     header_bytes = torch.frombuffer(bytearray(b"".join(h for h, _ in headers)), dtype=torch.uint8).to(device)
-    used = []
-    for index, (x, out) in enumerate(zip(values, outs, strict=True)):
-        out.zero_()
-        if not coded[index]:
-            raw = x.contiguous().view(torch.uint8).view(-1)
-            out[0] = lossless.RAW
-            out[1 : 1 + raw.numel()] = raw
-            used.append(1 + raw.numel())
-            continue
-        header, bits = headers[index]
-        at_block = len(header)
-        at_stream = at_block + 2 * block_count[index]
-        out[:at_block] = header_bytes[header_base[index] : header_base[index + 1]]
-        block_at = 2 * int(block_base[index])
-        out[at_block:at_stream] = block_bytes[block_at : block_at + 2 * block_count[index]]
-        nbytes = -(-bits // 8)
-        first_byte = 4 * int(word_base[index])
-        out[at_stream : at_stream + nbytes] = stream_bytes[first_byte : first_byte + nbytes]
-        used.append(at_stream + nbytes)
+    value_bytes = torch.cat([x.reshape(-1) for x in values]).view(torch.uint8)
+    stream_at = base[c] + header_at[c + 1] - header_at[c] + 2 * np.asarray(block_count, dtype=np.int64)[c]
+    for source, source_at, target_at, length in (
+        (header_bytes, header_at[c], base[c], header_at[c + 1] - header_at[c]),
+        (block_bytes, block_at[c], base[c] + header_at[c + 1] - header_at[c], block_at[c + 1] - block_at[c]),
+        (stream_bytes, 4 * word_base[c], stream_at, np.asarray(stream_nbytes, dtype=np.int64)[c]),
+        (
+            value_bytes,
+            2 * np.asarray(model.starts, dtype=np.int64)[r],
+            base[r] + 1,
+            2 * np.diff(model.starts)[r],
+        ),
+    ):
+        source_index, target_index = _ranges(source_at, target_at, length, device)
+        image[target_index] = source[source_index]
+    spans = all(
+        b.data_ptr() == a.data_ptr() + a.numel()
+        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        for a, b in itertools.pairwise(outs)
+    )
+    if spans:  # the outputs are one range of memory: one copy
+        whole = torch.empty(0, dtype=torch.uint8, device=device)
+        whole.set_(outs[0].untyped_storage(), outs[0].storage_offset(), (int(base[-1]),))
+        whole.copy_(image)
+    else:
+        for out, at, size in zip(outs, base[:-1], capacity, strict=True):
+            out.copy_(image[at : at + size])
     return used
+
+
+def _ranges(
+    source_at: np.ndarray, target_at: np.ndarray, length: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors that copy ranges: ``length[i]`` elements from ``source_at[i]`` to
+    ``target_at[i]``, all ranges at once."""
+    length_t = torch.from_numpy(np.asarray(length, dtype=np.int64)).to(device)
+    total = int(np.sum(length))
+    within = torch.arange(total, device=device) - torch.repeat_interleave(
+        torch.cumsum(length_t, 0) - length_t, length_t, output_size=total
+    )
+    source = torch.repeat_interleave(
+        torch.from_numpy(np.asarray(source_at, dtype=np.int64)).to(device), length_t, output_size=total
+    )
+    target = torch.repeat_interleave(
+        torch.from_numpy(np.asarray(target_at, dtype=np.int64)).to(device), length_t, output_size=total
+    )
+    return source + within, target + within
+
+
+def _part_counts(flags: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
+    """How many of each part's ``flags`` are set, the parts being the consecutive ranges
+    that ``starts`` begins (and ends): a prefix sum, no atomics on a few counters."""
+    prefix = torch.nn.functional.pad(torch.cumsum(flags.to(torch.int64), 0), (1, 0))
+    at = torch.tensor(list(starts), device=flags.device)
+    return prefix[at[1:]] - prefix[at[:-1]]
 
 
 def _reversed_bits(device: torch.device) -> torch.Tensor:
@@ -332,8 +386,9 @@ def decode_bodies(
         except CodecInputError as exc:
             raise CodecInputError(f"{exc} (in {wheres[index]})") from exc
     z = torch.zeros(model.starts[-1], dtype=torch.int32, device=device)
-    # per part: the kernel's fault, out of range, non-finite (cpp_backend.RESIDUAL_FAULTS)
-    faults = [torch.zeros(len(parts), dtype=torch.int32, device=device) for _ in range(3)]
+    # per part, how many values have each fault, in the order the CPU codec checks them
+    fault_codes = (_FAULT_NO_TABLE, _FAULT_BLOCKS, _FAULT_RANGE, _FAULT_NON_FINITE)
+    faults = {code: torch.zeros(len(parts), dtype=torch.int64, device=device) for code in fault_codes}
     words = torch.empty_like(z)
     if coded_parts:
         streams = torch.cat(
@@ -342,7 +397,8 @@ def decode_bodies(
         )
         streams = torch.nn.functional.pad(streams, (0, -streams.numel() % 4))
         lut = _lookup_tables([h.tables for h in headers], fmt.symbols, device)
-        lane_rows, lane_first, lane_count, lane_bit, lane_end, lane_part = [], [], [], [], [], []
+        lane_rows, lane_first, lane_count, lane_bit, lane_end = [], [], [], [], []
+        part_lanes = np.zeros(len(parts), dtype=np.int64)
         stream_at = 0
         for row, (index, header) in enumerate(zip(coded_parts, headers, strict=True)):
             blocks = len(header.block_starts) - 1
@@ -353,11 +409,11 @@ def decode_bodies(
             starts = 8 * stream_at + np.asarray(header.block_starts)
             lane_bit.append(starts[:-1])
             lane_end.append(starts[1:])
-            lane_part.append(np.full(blocks, index))
+            part_lanes[index] = blocks
             stream_at += bodies[index].numel() - header.stream_at
         lanes = [
             torch.from_numpy(np.concatenate(a).astype(np.int64)).to(device)
-            for a in (lane_rows, lane_first, lane_count, lane_bit, lane_end, lane_part)
+            for a in (lane_rows, lane_first, lane_count, lane_bit, lane_end)
         ]
         lane_fault = torch.empty(lanes[0].numel(), dtype=torch.int32, device=device)
         _decode_blocks[(triton.cdiv(lane_fault.numel(), _LANES),)](
@@ -366,7 +422,7 @@ def decode_bodies(
             lut,
             model.contexts,
             z,
-            *lanes[:5],
+            *lanes,
             lane_fault,
             lane_fault.numel(),
             BLOCK_VALUES=lossless.BLOCK_VALUES,
@@ -374,20 +430,20 @@ def decode_bodies(
             FAULT_NO_TABLE=_FAULT_NO_TABLE,
             FAULT_BLOCKS=_FAULT_BLOCKS,
         )
-        faults[0].scatter_reduce_(0, lanes[5], lane_fault, "amax")
+        lane_starts = np.concatenate([[0], np.cumsum(part_lanes)]).tolist()
+        for code in (_FAULT_NO_TABLE, _FAULT_BLOCKS):
+            faults[code] = _part_counts(lane_fault == code, lane_starts)
         d = (z >> 1) ^ -(z & 1)
         ordinal = _ordinals(model.anchor_words) + d
         words = torch.where(ordinal < 0, 0x7FFF - ordinal, ordinal)
-        out_of_range = ((ordinal < -0x8000) | (ordinal > 0x7FFF)).to(torch.int32) * _FAULT_RANGE
-        faults[1].scatter_reduce_(0, model.part_of_value, out_of_range, "amax")
+        faults[_FAULT_RANGE] = _part_counts((ordinal < -0x8000) | (ordinal > 0x7FFF), model.starts)
     for index in raw_parts:
         start = model.starts[index]
         words[start : model.starts[index + 1]] = _words(bodies[index][1:].clone().view(dtype))
     exponent_field = ((1 << (fmt.word_bits - 1 - fmt.fraction_bits)) - 1) << fmt.fraction_bits
-    non_finite = ((words & exponent_field) == exponent_field).to(torch.int32) * _FAULT_NON_FINITE
-    faults[2].scatter_reduce_(0, model.part_of_value, non_finite, "amax")
-    for index, part_faults in enumerate(torch.stack(faults, 1).cpu().tolist()):
-        fault = next((fault for fault in part_faults if fault), 0)
+    faults[_FAULT_NON_FINITE] = _part_counts((words & exponent_field) == exponent_field, model.starts)
+    for index, counts in enumerate(torch.stack(list(faults.values()), 1).cpu().tolist()):
+        fault = next((code for code, count in zip(fault_codes, counts, strict=True) if count), 0)
         if fault:
             raise CodecInputError(
                 f"corrupt lossless residual of {wheres[index]}: {cpp_backend.RESIDUAL_FAULTS[fault]}"

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import lossless
 from .format import CodecConfig, Kind, PartLayout
 
 _PARAM_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -40,14 +41,21 @@ def _load_float32(ptr, mask):
 
 @triton.jit
 def _store_rounded(ptr, y, mask):
-    """Store float32 y with round-to-nearest-even into ptr's dtype. bf16 is rounded here in
-    integer arithmetic: the interpreter's own float32->bf16 cast does not round to even."""
+    """Store float32 y with round-to-nearest-even into ptr's dtype; returns the stored
+    word (int32). bf16 is rounded here in integer arithmetic: the interpreter's own
+    float32->bf16 cast does not round to even."""
     if ptr.dtype.element_ty == tl.bfloat16:
         bits = y.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         tl.store(ptr, bits.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        return bits
+    elif ptr.dtype.element_ty == tl.float16:
+        value = y.to(tl.float16)
+        tl.store(ptr, value, mask=mask)
+        return value.to(tl.int16, bitcast=True).to(tl.int32)
     else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr, y, mask=mask)
+        return y.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -212,6 +220,7 @@ def _decode(
     scales_ptr,
     codes_ptr,
     residual_ptr,
+    context_ptr,
     max_value,
     C: tl.constexpr,
     WORDS_PAD: tl.constexpr,
@@ -220,9 +229,14 @@ def _decode(
     HAS_RESIDUAL: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
     G: tl.constexpr,
+    CONTEXTS: tl.constexpr,
+    FRACTION_BITS: tl.constexpr,
+    EXPONENT_MASK: tl.constexpr,
+    SYMBOLS: tl.constexpr,
 ):
     """Dequantize (tokens, words, 8 codes) and write rows[slots]; KEY_BLOCK > 0 selects
-    per-channel key groups, else per-token groups of G."""
+    per-channel key groups, else per-token groups of G. CONTEXTS: also each value's
+    lossless context (``lossless.contexts``) in element order."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
     w = tl.arange(0, WORDS_PAD)[None, :, None]
     j = tl.arange(0, 8)[None, None, :]
@@ -243,7 +257,13 @@ def _decode(
     y = (value * half_step + half_lo) * 2.0
     y = tl.minimum(tl.maximum(y, -max_value), max_value)
     slot = tl.load(slots_ptr + t, mask=t < n, other=0)
-    _store_rounded(rows_ptr + slot * row_stride + channel, y, mask)
+    word = _store_rounded(rows_ptr + slot * row_stride + channel, y, mask)
+    if CONTEXTS:
+        scale_words = scales_ptr.to(tl.pointer_type(tl.int16))
+        scale_word = tl.load(scale_words + group, mask=mask, other=0).to(tl.int32)
+        context = ((scale_word >> FRACTION_BITS) & EXPONENT_MASK) - ((word >> FRACTION_BITS) & EXPONENT_MASK)
+        context = tl.minimum(tl.maximum(context + FRACTION_BITS, 0), SYMBOLS - 1)
+        tl.store(context_ptr + t * C + channel, context, mask=mask)
 
 
 def _next_pow2(n: int) -> int:
@@ -309,8 +329,11 @@ def decode_rows(
     kind: Kind,
     config: CodecConfig,
     layout: PartLayout,
+    contexts_out: torch.Tensor | None = None,
 ) -> None:
-    """Write the reconstruction of one part into rows[slots] (Anchor-only if no residual)."""
+    """Write the reconstruction of one part into rows[slots] (Anchor-only if no residual);
+    ``contexts_out`` (int32, n * C, 16-bit words only): also each value's lossless context
+    as ``lossless.contexts`` defines it, from its Anchor-only word and its group's scale."""
     n, channels = layout.n_tokens, layout.channels
     if n == 0:
         return
@@ -321,6 +344,7 @@ def decode_rows(
     words_pad = _next_pow2(channels // 8)
     block_t = max(1, _TILE // (8 * words_pad))
     per_channel = kind == "key" and config.key_layout == "per_channel"
+    fmt = lossless.word_format(rows.dtype)
     _decode[(triton.cdiv(n, block_t),)](
         rows,
         rows.stride(0),
@@ -330,6 +354,7 @@ def decode_rows(
         scales.view(rows.dtype),
         codes,
         codes if residual is None else residual,
+        codes if contexts_out is None else contexts_out,
         torch.finfo(rows.dtype).max,
         C=channels,
         WORDS_PAD=words_pad,
@@ -338,5 +363,9 @@ def decode_rows(
         HAS_RESIDUAL=residual is not None,
         KEY_BLOCK=config.key_block if per_channel else 0,
         G=config.group_size,
+        CONTEXTS=contexts_out is not None,
+        FRACTION_BITS=fmt.fraction_bits,
+        EXPONENT_MASK=(1 << (fmt.word_bits - 1 - fmt.fraction_bits)) - 1,
+        SYMBOLS=fmt.symbols,
         enable_fp_fusion=False,
     )
