@@ -180,9 +180,12 @@ def test_anchor_faults_match_the_reference(dtype, array, value) -> None:
     part = PartIO(_pool("normal", 21, 64, dtype, 2), "key", anchor, residual)
     assert cpp_backend.encode_parts([part], None, config)[0] > 0
     assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == 0
+    sound = anchor.clone()
     offset = layout.mins_offset if array == "mins" else layout.scales_offset
     anchor[offset : offset + layout.param_nbytes].view(dtype)[layout.num_groups - 1] = value
-    fault = reference.anchor_params_fault(anchor, layout, dtype)
+    faults = reference.anchor_params_faults([sound, anchor, sound], [layout] * 3, dtype)
+    fault = faults[1]
+    assert faults == [0, fault, 0]
     assert fault == (2 if value == -0.5 else 1 if value != value or abs(value) == float("inf") else 0)
     assert cpp_backend.anchor_params_fault(anchor, layout, dtype) == fault
 

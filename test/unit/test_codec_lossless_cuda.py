@@ -58,8 +58,8 @@ def _cpu_parts(dtype: torch.dtype, config: CodecConfig):
     for kind, x in (
         ("key", _hostile(dtype, 1)),
         ("value", _hostile(dtype, 2)),
-        ("value", _incompressible(dtype)),
         ("key", (torch.linspace(-3, 3, TOKENS * CHANNELS) ** 3).view(TOKENS, CHANNELS).to(dtype)),
+        ("value", _incompressible(dtype)),  # last: a raw part's coded length may pass the end
     ):
         layout = part_layout(TOKENS, CHANNELS, kind, config, dtype)
         anchor = torch.empty(layout.anchor_nbytes, dtype=torch.uint8)
@@ -79,7 +79,7 @@ def test_the_device_coder_writes_the_cpu_codecs_bytes_and_decodes_them_bit_for_b
     formats = [body[0].item() for *_, body in parts]
     assert formats.count(lossless.CODED) >= 3
     if config == CodecConfig():  # random bf16 words in wide groups code no smaller than they are
-        assert formats[2] == lossless.RAW
+        assert formats[3] == lossless.RAW
     outs = [
         torch.full(
             (lossless.max_body_nbytes(TOKENS * CHANNELS, dtype),), 0x5A, dtype=torch.uint8, device=DEVICE
@@ -148,17 +148,17 @@ def test_corrupt_bodies_are_refused_and_nothing_is_returned() -> None:
 def test_padding_bits_and_non_finite_raw_words_are_refused() -> None:
     config = CodecConfig()
     parts = _cpu_parts(torch.bfloat16, config)
-    _, x, _, body = parts[3]
+    _, x, _, body = parts[2]
     stream_end = lossless.read_header(
         body.numpy().tobytes(), body.numel(), x.numel(), lossless.word_format(x.dtype)
     )
     assert stream_end.block_starts[-1] % 8, "the stream ends mid-byte: there is padding to set"
     padded = body.clone()
     padded[-1] |= 0x80
-    raw_body = parts[2][3]
+    raw_body = parts[3][3]
     nan = raw_body.clone()
     nan[1:3] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
-    for part, bad, match in ((parts[3], padded, "past the last value"), (parts[2], nan, "NaN or infinite")):
+    for part, bad, match in ((parts[2], padded, "past the last value"), (parts[3], nan, "NaN or infinite")):
         with pytest.raises(CodecInputError, match=match):
             lossless_cuda.decode_bodies(
                 _device_parts([part]), [bad.to(DEVICE)], torch.bfloat16, config, ["p"]

@@ -11,6 +11,7 @@ a missing build then raises); unset, the C++ codec is used when it loads, the re
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Literal
@@ -112,9 +113,12 @@ def _encode_on_device(
         reference.params(part.anchor, layout, layout.mins_offset, dtype)
         for part, layout in zip(parts, layouts, strict=True)
     ]
-    finite = torch.stack([torch.isfinite(low).all() for low in lows]).tolist()  # one synchronisation
-    for part, where, ok in zip(parts, wheres, finite, strict=True):
-        if not ok:
+    starts = [0, *itertools.accumulate(low.numel() for low in lows)]
+    non_finite = reference.range_counts(
+        ~torch.isfinite(torch.cat(lows)), starts
+    ).tolist()  # one synchronisation
+    for part, where, bad in zip(parts, wheres, non_finite, strict=True):
+        if bad:
             reference.raise_non_finite(part.rows.index_select(0, slots), where, slots, head_dim)
     if not config.residual_is_variable:
         return [layout.residual_nbytes for layout in layouts]
@@ -315,19 +319,38 @@ def check_part_buffers(
     where: str,
 ) -> None:
     """Validate sizes and anchor parameters before anything is written."""
-    layout = part_layout(n, channels, kind, config, dtype)
-    reference.check_buffer(anchor, layout.anchor_nbytes, f"anchor {where}")
-    if residual is not None and config.residual_is_variable:
-        reference.check_buffer(residual, residual.numel(), f"residual {where}")
-        if not 1 <= residual.numel() <= layout.residual_nbytes:
-            raise CodecInputError(
-                f"corrupt lossless residual {where}: a part body of {residual.numel()} bytes, "
-                f"it must have 1..{layout.residual_nbytes}"
-            )
-    elif residual is not None:
-        reference.check_buffer(residual, layout.residual_nbytes, f"residual {where}")
-    if _use_cpp(anchor):
-        fault = cpp_backend.anchor_params_fault(anchor, layout, dtype)
+    check_parts_buffers([(anchor, residual, kind, where)], n, channels, config, dtype)
+
+
+def check_parts_buffers(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor | None, Kind, str]],
+    n: int,
+    channels: int,
+    config: CodecConfig,
+    dtype: torch.dtype,
+) -> None:
+    """``check_part_buffers`` of several parts of ``n`` tokens, each (anchor, residual,
+    kind, where); the anchors' parameters all at once (one synchronisation on a device)."""
+    layouts = []
+    for anchor, residual, kind, where in parts:
+        layout = part_layout(n, channels, kind, config, dtype)
+        reference.check_buffer(anchor, layout.anchor_nbytes, f"anchor {where}")
+        if residual is not None and config.residual_is_variable:
+            reference.check_buffer(residual, residual.numel(), f"residual {where}")
+            if not 1 <= residual.numel() <= layout.residual_nbytes:
+                raise CodecInputError(
+                    f"corrupt lossless residual {where}: a part body of {residual.numel()} bytes, "
+                    f"it must have 1..{layout.residual_nbytes}"
+                )
+        elif residual is not None:
+            reference.check_buffer(residual, layout.residual_nbytes, f"residual {where}")
+        layouts.append(layout)
+    anchors = [anchor for anchor, *_ in parts]
+    if parts and _use_cpp(anchors[0]):
+        faults = [
+            cpp_backend.anchor_params_fault(a, lay, dtype) for a, lay in zip(anchors, layouts, strict=True)
+        ]
     else:
-        fault = reference.anchor_params_fault(anchor, layout, dtype)
-    reference.raise_anchor_fault(fault, where)
+        faults = reference.anchor_params_faults(anchors, layouts, dtype) if parts else []
+    for fault, (*_, where) in zip(faults, parts, strict=True):
+        reference.raise_anchor_fault(fault, where)

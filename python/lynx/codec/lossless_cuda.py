@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cpp_backend, lossless, triton_kernels
+from . import cpp_backend, lossless, reference, triton_kernels
 from .format import CodecConfig, CodecInputError, Kind, part_layout
 
 _PEEK = lossless.MAX_CODE_BITS
@@ -154,53 +154,49 @@ def encode_bodies(
     width = n_code + n_raw
     code = torch.from_numpy(code_values).to(device).view(-1)[flat_key]
     field = code | ((z & ((1 << n_raw) - 1)).to(torch.int64) << n_code)
-    # Each part's stream starts at a 32-bit word of one buffer; a field at bit offset o of
-    # word k is at most 28 + 31 bits: its low 32 bits go to word k, the rest to word k + 1.
-    starts = torch.tensor(model.starts[:-1], device=device)
-    offset = torch.cumsum(width, 0) - width
-    offset -= offset[starts][model.part_of_value]
-    stream_words = [-(-bits // 32) + 1 for _, bits in headers]
-    word_base = np.concatenate([[0], np.cumsum(stream_words)])
-    at = offset + 32 * torch.from_numpy(word_base[:-1]).to(device)[model.part_of_value]
-    shifted = field << (at & 31)
-    stream = torch.zeros(int(word_base[-1]) + 1, dtype=torch.int64, device=device)
-    stream.index_add_(0, at >> 5, shifted & 0xFFFFFFFF)
-    stream.index_add_(0, (at >> 5) + 1, shifted >> 32)
-    stream_bytes = (
-        torch.where(stream >= 1 << 31, stream - (1 << 32), stream).to(torch.int32).view(torch.uint8)
-    )
-    # the block table: each block's bits, a difference of the prefix sum at its ends
+    # Every body is laid out in one image of the outputs' capacities, then copied out.
+    capacity = [out.numel() for out in outs]
+    base = np.concatenate([[0], np.cumsum(capacity)]).astype(np.int64)
+    block_count = np.asarray([lossless.blocks_of(n) for n in np.diff(model.starts)], dtype=np.int64)
+    header_at = np.concatenate([[0], np.cumsum([len(header) for header, _ in headers])]).astype(np.int64)
+    stream_at = base[:-1] + np.diff(header_at) + 2 * block_count  # in the image, in bytes
+    stream_nbytes = np.asarray([-(-bits // 8) for _, bits in headers], dtype=np.int64)
+    is_coded = torch.from_numpy(np.asarray(coded)).to(device)[model.part_of_value]
+    # The stream: each field at its bit in the image (a prefix sum of the widths), or-ed in
+    # by adding to 32-bit words (fields never overlap); a field at bit o of word k is at
+    # most 28 + 31 bits: its low 32 bits go to word k, the rest to word k + 1. A raw
+    # part's values add nothing.
     prefix = torch.nn.functional.pad(torch.cumsum(width, 0), (1, 0))
-    block_count = [lossless.blocks_of(model.starts[i + 1] - model.starts[i]) for i in range(len(parts))]
+    starts = torch.tensor(model.starts[:-1], device=device)
+    at = prefix[:-1] - prefix[starts][model.part_of_value]
+    at += 8 * torch.from_numpy(stream_at).to(device)[model.part_of_value]
+    at = torch.where(is_coded, at, 0)  # a raw part's coded stream could run past its capacity
+    shifted = torch.where(is_coded, field, 0) << (at & 31)
+    words = torch.zeros(-(-int(base[-1]) // 4) + 2, dtype=torch.int64, device=device)
+    words.index_add_(0, at >> 5, shifted & 0xFFFFFFFF)
+    words.index_add_(0, (at >> 5) + 1, shifted >> 32)
+    image = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).view(torch.uint8)
+    # the block table: each block's bits, a difference of the prefix sum at its ends
     block_first = np.concatenate(
         [model.starts[i] + lossless.BLOCK_VALUES * np.arange(count) for i, count in enumerate(block_count)]
     )
     block_end = np.minimum(block_first + lossless.BLOCK_VALUES, np.repeat(model.starts[1:], block_count))
     blocks = prefix[torch.from_numpy(block_end).to(device)] - prefix[torch.from_numpy(block_first).to(device)]
     block_bytes = torch.stack([blocks & 0xFF, blocks >> 8], 1).to(torch.uint8).view(-1)
-    # Every body laid out in one image of the outputs' capacities, then copied out.
-    capacity = [out.numel() for out in outs]
-    base = np.concatenate([[0], np.cumsum(capacity)]).astype(np.int64)
-    image = torch.zeros(int(base[-1]), dtype=torch.uint8, device=device)
-    header_nbytes = [len(header) for header, _ in headers]
-    stream_nbytes = [-(-bits // 8) for _, bits in headers]
+    block_at = 2 * np.concatenate([[0], np.cumsum(block_count)]).astype(np.int64)
     used = [
-        header_nbytes[i] + 2 * block_count[i] + stream_nbytes[i]
+        int(stream_at[i] - base[i] + stream_nbytes[i])
         if coded[i]
         else lossless.max_body_nbytes(model.starts[i + 1] - model.starts[i], dtype)
         for i in range(len(parts))
     ]
     c = np.flatnonzero(coded)
     r = np.flatnonzero(~np.asarray(coded))
-    header_at = np.concatenate([[0], np.cumsum(header_nbytes)]).astype(np.int64)
-    block_at = 2 * np.concatenate([[0], np.cumsum(block_count)]).astype(np.int64)
     header_bytes = torch.frombuffer(bytearray(b"".join(h for h, _ in headers)), dtype=torch.uint8).to(device)
     value_bytes = torch.cat([x.reshape(-1) for x in values]).view(torch.uint8)
-    stream_at = base[c] + header_at[c + 1] - header_at[c] + 2 * np.asarray(block_count, dtype=np.int64)[c]
     for source, source_at, target_at, length in (
-        (header_bytes, header_at[c], base[c], header_at[c + 1] - header_at[c]),
-        (block_bytes, block_at[c], base[c] + header_at[c + 1] - header_at[c], block_at[c + 1] - block_at[c]),
-        (stream_bytes, 4 * word_base[c], stream_at, np.asarray(stream_nbytes, dtype=np.int64)[c]),
+        (header_bytes, header_at[c], base[c], np.diff(header_at)[c]),
+        (block_bytes, block_at[c], base[c] + np.diff(header_at)[c], np.diff(block_at)[c]),
         (
             value_bytes,
             2 * np.asarray(model.starts, dtype=np.int64)[r],
@@ -210,6 +206,7 @@ def encode_bodies(
     ):
         source_index, target_index = _ranges(source_at, target_at, length, device)
         image[target_index] = source[source_index]
+    image = image[: int(base[-1])]
     spans = all(
         b.data_ptr() == a.data_ptr() + a.numel()
         and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
@@ -242,14 +239,6 @@ def _ranges(
         torch.from_numpy(np.asarray(target_at, dtype=np.int64)).to(device), length_t, output_size=total
     )
     return source + within, target + within
-
-
-def _part_counts(flags: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
-    """How many of each part's ``flags`` are set, the parts being the consecutive ranges
-    that ``starts`` begins (and ends): a prefix sum, no atomics on a few counters."""
-    prefix = torch.nn.functional.pad(torch.cumsum(flags.to(torch.int64), 0), (1, 0))
-    at = torch.tensor(list(starts), device=flags.device)
-    return prefix[at[1:]] - prefix[at[:-1]]
 
 
 def _reversed_bits(device: torch.device) -> torch.Tensor:
@@ -432,16 +421,18 @@ def decode_bodies(
         )
         lane_starts = np.concatenate([[0], np.cumsum(part_lanes)]).tolist()
         for code in (_FAULT_NO_TABLE, _FAULT_BLOCKS):
-            faults[code] = _part_counts(lane_fault == code, lane_starts)
+            faults[code] = reference.range_counts(lane_fault == code, lane_starts)
         d = (z >> 1) ^ -(z & 1)
         ordinal = _ordinals(model.anchor_words) + d
         words = torch.where(ordinal < 0, 0x7FFF - ordinal, ordinal)
-        faults[_FAULT_RANGE] = _part_counts((ordinal < -0x8000) | (ordinal > 0x7FFF), model.starts)
+        faults[_FAULT_RANGE] = reference.range_counts((ordinal < -0x8000) | (ordinal > 0x7FFF), model.starts)
     for index in raw_parts:
         start = model.starts[index]
         words[start : model.starts[index + 1]] = _words(bodies[index][1:].clone().view(dtype))
     exponent_field = ((1 << (fmt.word_bits - 1 - fmt.fraction_bits)) - 1) << fmt.fraction_bits
-    faults[_FAULT_NON_FINITE] = _part_counts((words & exponent_field) == exponent_field, model.starts)
+    faults[_FAULT_NON_FINITE] = reference.range_counts(
+        (words & exponent_field) == exponent_field, model.starts
+    )
     for index, counts in enumerate(torch.stack(list(faults.values()), 1).cpu().tolist()):
         fault = next((code for code, count in zip(fault_codes, counts, strict=True) if count), 0)
         if fault:

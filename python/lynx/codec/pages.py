@@ -274,11 +274,15 @@ def _checked_parts(
         _, ends = _residual_head(residual, n, layout, config)
         starts = [residual_header_nbytes(layout), *ends[:-1]]
         bodies = [residual[start:end] for start, end in zip(starts, ends, strict=True)]
-    checked = []
-    for (layer, kind, anchor_range, _), body in zip(parts, bodies, strict=True):
-        where = f"layer {layer} {kind}s"
-        backend.check_part_buffers(
-            anchor[anchor_range], body, n, layout.channels, kind, config, layout.dtype, where
-        )
-        checked.append((layer, kind, anchor[anchor_range], body, where))
+    checked = [
+        (layer, kind, anchor[anchor_range], body, f"layer {layer} {kind}s")
+        for (layer, kind, anchor_range, _), body in zip(parts, bodies, strict=True)
+    ]
+    backend.check_parts_buffers(
+        [(part_anchor, body, kind, where) for _, kind, part_anchor, body, where in checked],
+        n,
+        layout.channels,
+        config,
+        layout.dtype,
+    )
     return layout, checked

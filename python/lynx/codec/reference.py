@@ -10,6 +10,9 @@ order.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 
 from . import lossless
@@ -251,18 +254,33 @@ ANCHOR_FAULTS = (
     "a group minimum or scale is not finite",
     "a group scale is negative",
 )
-"""What anchor_params_fault's code (an index) means; 0: none."""
+"""What anchor_params_faults' codes (indexes) mean; 0: none."""
 
 
-def anchor_params_fault(anchor: torch.Tensor, layout: PartLayout, dtype: torch.dtype) -> int:
-    """Index into ANCHOR_FAULTS of the first fault of an anchor's group minimums and scales."""
-    mins = params(anchor, layout, layout.mins_offset, dtype)
-    scales = params(anchor, layout, layout.scales_offset, dtype)
-    if not (bool(torch.isfinite(mins).all()) and bool(torch.isfinite(scales).all())):
-        return 1
-    if not bool((scales >= 0).all()):
-        return 2
-    return 0
+def anchor_params_faults(
+    anchors: Sequence[torch.Tensor], layouts: Sequence[PartLayout], dtype: torch.dtype
+) -> list[int]:
+    """Per part, the index into ANCHOR_FAULTS of the first fault of its anchor's group
+    minimums and scales; one synchronisation for all parts."""
+    mins = torch.cat(
+        [params(a, lay, lay.mins_offset, dtype) for a, lay in zip(anchors, layouts, strict=True)]
+    )
+    scales = torch.cat(
+        [params(a, lay, lay.scales_offset, dtype) for a, lay in zip(anchors, layouts, strict=True)]
+    )
+    starts = [0, *itertools.accumulate(lay.param_nbytes // dtype.itemsize for lay in layouts)]
+    non_finite = range_counts(~(torch.isfinite(mins) & torch.isfinite(scales)), starts)
+    negative = range_counts(~(scales >= 0), starts)
+    counts = torch.stack([non_finite, negative], 1).tolist()
+    return [1 if bad else 2 if below else 0 for bad, below in counts]
+
+
+def range_counts(flags: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
+    """How many ``flags`` are set in each of the consecutive ranges that ``starts`` begin
+    (its last entry: where the last ends): a prefix sum, no atomics on a few counters."""
+    prefix = torch.nn.functional.pad(torch.cumsum(flags.to(torch.int64), 0), (1, 0))
+    at = torch.tensor(list(starts), device=flags.device)
+    return prefix[at[1:]] - prefix[at[:-1]]
 
 
 def raise_anchor_fault(fault: int, where: str) -> None:
