@@ -2,6 +2,7 @@
 on hostile data, the raw fallback, and corrupt bodies refused alike by the reference and
 the C++ codec."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,28 @@ def test_code_lengths_are_complete_limited_and_pinned() -> None:
     lengths = lossless.code_lengths(fibonacci)
     assert max(lengths) <= lossless.MAX_CODE_BITS
     assert sum(2.0**-n for n in lengths) == 1.0
+
+
+@pytest.mark.parametrize("compiled", [True, False] if cpp_backend.available() else [False])
+def test_huffman_codes_of_many_tables_are_the_specifications(compiled: bool, monkeypatch) -> None:
+    gen = np.random.default_rng(0)
+    fibonacci = [1, 1]
+    while len(fibonacci) < 18:
+        fibonacci.append(fibonacci[-1] + fibonacci[-2])
+    counts = [
+        [0] * 18,
+        [0, 7] + [0] * 16,
+        fibonacci,  # limited to MAX_CODE_BITS
+        *(gen.integers(0, 1000, 18) * (gen.random(18) < 0.6) for _ in range(40)),
+        *(gen.integers(0, 1 << 40, 34) for _ in range(3)),
+    ]
+    if not compiled:
+        monkeypatch.setattr(cpp_backend, "available", lambda: False)
+    for rows in (np.array(counts[:-3], dtype=np.int64), np.array(counts[-3:], dtype=np.int64)):
+        lengths, codes = cpp_backend.huffman_codes(rows)
+        for row, found, code in zip(rows, lengths, codes, strict=True):
+            assert found.tolist() == lossless.code_lengths(row.tolist())
+            assert code.tolist() == lossless.canonical_codes(found.tolist())
 
 
 def _hostile(dtype: torch.dtype) -> torch.Tensor:

@@ -19,9 +19,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from . import cpp_build
+from . import cpp_build, lossless
 from .format import CodecConfig, Kind, PartLayout, part_layout
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,25 @@ def decode_parts(parts: Sequence[PartIO], slots: torch.Tensor | None, config: Co
 
 
 def anchor_params_fault(anchor: torch.Tensor, layout: PartLayout, dtype: torch.dtype) -> int:
-    """``reference.anchor_params_fault`` in one pass over the parameter words."""
+    """``reference.anchor_params_faults`` of one part, in one pass over the parameter words."""
     return module().anchor_params_fault(
         anchor, torch.empty(0, dtype=dtype), layout.num_groups, layout.scales_offset
     )
+
+
+def huffman_codes(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Code lengths and canonical codes (``lossless.code_lengths``,
+    ``lossless.canonical_codes``) of each row of ``counts`` (tables, symbols): compiled
+    where the module loads, else those functions row by row."""
+    if available():
+        lengths, codes = module().huffman_codes(
+            torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
+        )
+        return lengths.numpy().astype(np.int64), codes.numpy().astype(np.int64)
+    lengths = np.array([lossless.code_lengths(row.tolist()) for row in counts], dtype=np.int64).reshape(
+        counts.shape
+    )
+    codes = np.array([lossless.canonical_codes(row.tolist()) for row in lengths], dtype=np.int64).reshape(
+        counts.shape
+    )
+    return lengths, codes

@@ -127,27 +127,28 @@ def encode_bodies(
         len(parts), symbols, symbols, 32
     )
     counts_host = counts.sum(3).cpu().numpy()
-    headers, coded = [], []
-    code_bits = np.zeros((len(parts), symbols, symbols), dtype=np.int64)
-    code_values = np.zeros_like(code_bits)
+    lengths, code_values = cpp_backend.huffman_codes(counts_host.reshape(-1, symbols))
+    lengths = lengths.reshape(counts_host.shape)
+    single = (lengths > 0).sum(2, keepdims=True) == 1  # a context with one symbol codes it in 0 bits
+    code_bits = np.where(single, 0, lengths)
+    code_values = code_values.reshape(counts_host.shape)
     raw_bits = np.maximum(np.arange(symbols) - 1, 0)
+    stream_bits = (counts_host * (code_bits + raw_bits)).sum((1, 2))
+    tables = np.concatenate(
+        [
+            np.broadcast_to(np.arange(symbols)[None, :, None], (len(parts), symbols, 1)),
+            lengths[:, :, 0::2] | lengths[:, :, 1::2] << 4,
+        ],
+        axis=2,
+    ).astype(np.uint8)  # per part and context: the context byte, then the 4-bit lengths
+    headers, coded = [], []
     for index, part_counts in enumerate(counts_host):
-        header = bytearray([lossless.CODED, 0])
-        for context in np.flatnonzero(part_counts.sum(1)):
-            lengths = lossless.code_lengths(part_counts[context].tolist())
-            header[1] += 1
-            header.append(int(context))
-            header += bytes(
-                lengths[j] | (lengths[j + 1] << 4 if j + 1 < symbols else 0) for j in range(0, symbols, 2)
-            )
-            single = np.count_nonzero(lengths) == 1
-            code_bits[index, context] = 0 if single else lengths
-            code_values[index, context] = lossless.canonical_codes(lengths)
+        used = np.flatnonzero(part_counts.sum(1))
+        header = bytes([lossless.CODED, len(used)]) + tables[index, used].tobytes()
         size = model.starts[index + 1] - model.starts[index]
-        stream_bits = int((part_counts * (code_bits[index] + raw_bits)).sum())
-        body = len(header) + 2 * lossless.blocks_of(size) + -(-stream_bits // 8)
+        body = len(header) + 2 * lossless.blocks_of(size) + -(-int(stream_bits[index]) // 8)
         coded.append(body < lossless.max_body_nbytes(size, dtype))
-        headers.append((bytes(header), stream_bits))
+        headers.append((header, int(stream_bits[index])))
     flat_key = model.part_of_value * symbols * symbols + key
     n_code = torch.from_numpy(code_bits).to(device).view(-1)[flat_key]
     n_raw = (symbol - 1).clamp_(min=0)

@@ -180,6 +180,29 @@ int64_t anchor_fault(torch::Tensor anchor, torch::Tensor like, int64_t groups, i
   }
 }
 
+// Huffman code lengths and canonical codes (bit-reversed) of each row of counts (int64,
+// (tables, symbols)), as lossless.code_lengths and lossless.canonical_codes make them: for
+// a device coder, whose histograms come to the host.
+std::vector<torch::Tensor> huffman_codes(torch::Tensor counts) {
+  TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == torch::kLong && counts.dim() == 2 &&
+                  counts.is_contiguous() && counts.size(1) <= kMaxSymbols,
+              "counts must be a contiguous (tables, <= ", kMaxSymbols, ") int64 CPU tensor");
+  const int64_t tables = counts.size(0);
+  const int symbols = static_cast<int>(counts.size(1));
+  torch::Tensor lengths = torch::zeros({tables, symbols}, torch::kUInt8);
+  torch::Tensor codes = torch::zeros({tables, symbols}, torch::kInt32);
+  const int64_t* c = counts.data_ptr<int64_t>();
+  uint8_t* len = lengths.data_ptr<uint8_t>();
+  int32_t* out = codes.data_ptr<int32_t>();
+  for (int64_t t = 0; t < tables; ++t) {
+    code_lengths(c + t * symbols, symbols, len + t * symbols);
+    uint16_t code[kMaxSymbols] = {};
+    canonical_codes(len + t * symbols, symbols, code);
+    for (int s = 0; s < symbols; ++s) out[t * symbols + s] = code[s];
+  }
+  return {lengths, codes};
+}
+
 }  // namespace
 
 // setup.py defines the digest of the sources and flags (lynx/codec/cpp_build.py); the loader
@@ -195,6 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_rows", &encode_rows, "Encode parts rows[i][slots]; per part its Residual bytes, -1 if not finite");
   m.def("decode_rows", &decode_rows, "Decode parts into rows[i][slots]; per part a residual fault code");
   m.def("anchor_params_fault", &anchor_fault, "0, or why an anchor's minimums/scales are corrupt");
+  m.def("huffman_codes", &huffman_codes, "Code lengths and canonical codes of each row of counts");
   m.def("reciprocal_division_mismatches", &lynx_codec::reciprocal_division_mismatches,
         "Significand pairs where the encoder's reciprocal division differs from a division");
 }
