@@ -224,18 +224,6 @@ def canonical_codes(lengths: list[int]) -> list[int]:
     return codes
 
 
-def _is_complete(lengths: list[int]) -> bool:
-    """Whether the non-zero lengths form a complete prefix code (Kraft sum exactly 1)."""
-    used = [n for n in lengths if n]
-    if len(used) == 1:
-        return used[0] == 1
-    return (
-        bool(used)
-        and all(n <= MAX_CODE_BITS for n in used)
-        and (sum(1 << (MAX_CODE_BITS - n) for n in used) == 1 << MAX_CODE_BITS)
-    )
-
-
 def encode_body(
     words: torch.Tensor, anchor_words: torch.Tensor, scale_words: torch.Tensor, dtype: torch.dtype
 ) -> bytes:
@@ -338,12 +326,19 @@ def decode_body(
 class CodedHeader:
     """What precedes a coded body's bit stream."""
 
-    tables: dict[int, list[int]]
-    """Context -> code lengths, for each context that has a table."""
+    contexts: np.ndarray
+    """The contexts that have a table, in increasing order."""
+    lengths: np.ndarray
+    """(contexts, symbols): each table's code lengths."""
     block_starts: list[int]
     """Where each block's values start in the stream, in bits, then where the last ends."""
     stream_at: int
     """The stream's first byte in the body."""
+
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        """Context -> code lengths."""
+        return dict(zip(self.contexts.tolist(), self.lengths.tolist(), strict=True))
 
 
 def max_header_nbytes(values: int, fmt: WordFormat) -> int:
@@ -355,36 +350,56 @@ def max_header_nbytes(values: int, fmt: WordFormat) -> int:
 def read_header(data: bytes, length: int, values: int, fmt: WordFormat) -> CodedHeader:
     """The header of a coded body of ``length`` bytes (``data``: the body, or at least its
     first ``max_header_nbytes`` bytes), checked against the body's length."""
-    tables, at = _read_tables(data, length, fmt)
+    contexts, lengths, at = _read_tables(data, length, fmt)
     block_starts, at = _read_blocks(data, length, at, values)
-    return CodedHeader(tables, block_starts, at)
+    return CodedHeader(contexts, lengths, block_starts, at)
 
 
-def _read_tables(data: bytes, length: int, fmt: WordFormat) -> tuple[dict[int, list[int]], int]:
-    """(context -> code lengths, where the block table starts)."""
+def _read_tables(data: bytes, length: int, fmt: WordFormat) -> tuple[np.ndarray, np.ndarray, int]:
+    """(contexts, their code lengths, where the block table starts); the first faulty
+    table, in order, is refused."""
     if length < 2:
         raise CodecInputError("corrupt lossless residual: a coded part body without its table count")
-    count, at = data[1], 2
+    count = data[1]
     if count > fmt.symbols:
         raise CodecInputError(f"corrupt lossless residual: {count} code tables for {fmt.symbols} contexts")
-    tables: dict[int, list[int]] = {}
-    previous = -1
-    for _ in range(count):
-        if at + fmt.table_nbytes > length:
-            raise CodecInputError("corrupt lossless residual: its tables run past the part body")
-        context = data[at]
-        nibbles = data[at + 1 : at + fmt.table_nbytes]
-        lengths = [(nibbles[j // 2] >> (4 * (j % 2))) & 0xF for j in range(fmt.symbols)]
-        if context <= previous or context >= fmt.symbols:
-            raise CodecInputError(f"corrupt lossless residual: context {context} out of order or range")
-        if not _is_complete(lengths):
-            raise CodecInputError(f"corrupt lossless residual: the code of context {context} is not complete")
-        if fmt.symbols % 2 and nibbles[-1] >> 4:
-            raise CodecInputError("corrupt lossless residual: a table's padding nibble is not zero")
-        tables[context] = lengths
-        previous = context
-        at += fmt.table_nbytes
-    return tables, at
+    whole = min(count, (length - 2) // fmt.table_nbytes)  # the tables inside the body
+    raw = np.frombuffer(data, dtype=np.uint8, count=whole * fmt.table_nbytes, offset=2).reshape(whole, -1)
+    contexts = raw[:, 0].astype(np.int64)
+    nibbles = raw[:, 1:]
+    lengths = (
+        np.stack([nibbles & 0xF, nibbles >> 4], axis=2).reshape(whole, -1)[:, : fmt.symbols].astype(np.int64)
+    )
+    previous = np.concatenate([[-1], contexts[:-1]])
+    disordered = (contexts <= previous) | (contexts >= fmt.symbols)
+    incomplete = ~_complete(lengths)
+    padded = (nibbles[:, -1] >> 4 != 0) if fmt.symbols % 2 else np.zeros(whole, dtype=bool)
+    faulty = np.flatnonzero(disordered | incomplete | padded)
+    if faulty.size:
+        i = faulty[0]
+        if disordered[i]:
+            raise CodecInputError(f"corrupt lossless residual: context {contexts[i]} out of order or range")
+        if incomplete[i]:
+            raise CodecInputError(
+                f"corrupt lossless residual: the code of context {contexts[i]} is not complete"
+            )
+        raise CodecInputError("corrupt lossless residual: a table's padding nibble is not zero")
+    if whole < count:
+        raise CodecInputError("corrupt lossless residual: its tables run past the part body")
+    return contexts, lengths, 2 + count * fmt.table_nbytes
+
+
+def _complete(lengths: np.ndarray) -> np.ndarray:
+    """Per row of code lengths, whether its non-zero lengths form a complete prefix code
+    (Kraft sum exactly 1; a single symbol: length 1)."""
+    used = lengths > 0
+    n_used = used.sum(1)
+    short = np.where(used, lengths, MAX_CODE_BITS).max(1, initial=0) <= MAX_CODE_BITS
+    kraft = np.where(
+        used & (lengths <= MAX_CODE_BITS), 1 << (MAX_CODE_BITS - np.minimum(lengths, MAX_CODE_BITS)), 0
+    )
+    single = (n_used == 1) & (lengths.max(1, initial=0) == 1)
+    return single | ((n_used >= 2) & short & (kraft.sum(1) == 1 << MAX_CODE_BITS))
 
 
 def _read_blocks(data: bytes, length: int, at: int, values: int) -> tuple[list[int], int]:

@@ -251,27 +251,33 @@ def _reversed_bits(device: torch.device) -> torch.Tensor:
 
 
 def _lookup_tables(
-    tables: Sequence[dict[int, list[int]]], symbols: int, device: torch.device
+    headers: Sequence[lossless.CodedHeader], symbols: int, device: torch.device
 ) -> torch.Tensor:
     """(parts * symbols * 4096) int16: for each part and context, what the next 12 bits of
-    the stream (first bit lowest) decode to: symbol | code bits << 8, or ``_INVALID``."""
-    entries, repeats = [], []
-    for part_tables in tables:
-        for context in range(symbols):
-            lengths = part_tables.get(context)
-            if lengths is None:
-                entries.append(_INVALID)
-                repeats.append(_LUT_SIZE)
-                continue
-            used = sorted((n, s) for s, n in enumerate(lengths) if n)
-            single = len(used) == 1
-            for n, s in used:  # canonical order: contiguous ranges, most significant bit first
-                entries.append(s | (0 if single else n) << 8)
-                repeats.append(_LUT_SIZE if single else 1 << (_PEEK - n))
+    the stream (first bit lowest) decode to: symbol | code bits << 8, or ``_INVALID``.
+
+    Canonical codes fill contiguous ranges of the 12 bits read most significant first, in
+    (length, symbol) order: each symbol's entry repeated 2**(12 - length) times there, then
+    the bits reversed."""
+    lengths = np.zeros((len(headers), symbols, symbols), dtype=np.int64)
+    present = np.zeros((len(headers), symbols), dtype=bool)
+    for row, header in enumerate(headers):
+        lengths[row, header.contexts] = header.lengths
+        present[row, header.contexts] = True
+    lengths = lengths.reshape(-1, symbols)
+    used = lengths > 0
+    single = used.sum(1, keepdims=True) == 1  # one symbol, coded in no bits
+    order = np.argsort(np.where(used, lengths * 64 + np.arange(symbols), 1 << 30), axis=1, kind="stable")
+    ordered = np.take_along_axis(lengths, order, axis=1)
+    ordered_used = np.take_along_axis(used, order, axis=1)
+    entries = order | np.where(single, 0, ordered) << 8
+    repeats = np.where(ordered_used, np.where(single, _LUT_SIZE, 1 << (_PEEK - ordered)), 0)
+    entries = np.concatenate([entries, np.full((len(entries), 1), _INVALID)], axis=1)
+    repeats = np.concatenate([repeats, np.where(present.reshape(-1, 1), 0, _LUT_SIZE)], axis=1)
     by_value = torch.repeat_interleave(
-        torch.tensor(entries, dtype=torch.int16, device=device),
-        torch.tensor(repeats, device=device),
-        output_size=len(tables) * symbols * _LUT_SIZE,
+        torch.from_numpy(entries.astype(np.int16).reshape(-1)).to(device),
+        torch.from_numpy(repeats.reshape(-1)).to(device),
+        output_size=len(headers) * symbols * _LUT_SIZE,
     )
     return by_value.view(-1, _LUT_SIZE)[:, _reversed_bits(device)].reshape(-1)
 
@@ -386,7 +392,7 @@ def decode_bodies(
             + [torch.zeros(8, dtype=torch.uint8, device=device)]
         )
         streams = torch.nn.functional.pad(streams, (0, -streams.numel() % 4))
-        lut = _lookup_tables([h.tables for h in headers], fmt.symbols, device)
+        lut = _lookup_tables(headers, fmt.symbols, device)
         lane_rows, lane_first, lane_count, lane_bit, lane_end = [], [], [], [], []
         part_lanes = np.zeros(len(parts), dtype=np.int64)
         stream_at = 0
