@@ -57,7 +57,7 @@ def test_kernels_match_reference_bit_for_bit(dtype, kind, config) -> None:
     residual = torch.full_like(ref_residual, 0x5A, device=DEVICE)
     triton_kernels.encode_rows(dev_pool, dev_slots, kind, config, layout, anchor, residual)
     assert torch.equal(anchor.cpu(), ref_anchor)
-    lossless = config.residual_is_variable  # coded on the host: the kernel writes none of it
+    lossless = config.residual_is_variable  # coded by lossless_cuda.py: the kernel writes none of it
     assert torch.equal(residual.cpu(), torch.zeros_like(ref_residual) if lossless else ref_residual)
 
     for with_residual in (False, True) if not lossless else (False,):

@@ -53,8 +53,8 @@ def _use_cpp(rows: torch.Tensor) -> bool:
 def warm_up(device: torch.device | str) -> CodecBackend:
     """Load what encoding and decoding on ``device`` will use, now rather than on a server's
     first request, and name it. The C++ codec is loaded on every device (a CUDA pool's
-    lossless Residual is coded on the host): where it does not load, a warning says why and
-    the torch reference serves."""
+    Huffman codes are built on the host, and an fp32 pool's lossless Residual is coded
+    there): where it does not load, a warning says why and the torch reference serves."""
     cpu = _cpu_backend()
     return "triton" if torch.device(device).type == "cuda" else cpu
 

@@ -6,7 +6,7 @@ They follow the float32 operation order of ``format.py`` step for step, with IEE
 division (``div_rn``), round-half-even by the 1.5 * 2**23 trick and FMA contraction
 disabled, so they write the same bytes and values as ``reference.py`` (tested under
 ``TRITON_INTERPRET=1``). They write the Anchor and an INT8 Residual; a lossless Residual
-is coded and decoded on the host for now (``backend.py``), no kernel codes it.
+is coded by ``lossless_cuda.py``, whose contexts the Anchor decode also writes.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _encode_token_groups(
     u, v = _quantize(x, lo, hi, group_mask, mins_ptr, scales_ptr, t * (C // G) + g, BITS, PARAM, 8 - BITS)
     word_index = t * (C // 8) + g * (G // 8) + w
     _store_packed(codes_ptr, word_index, u, j, group_mask, BITS)
-    if not EXACT:  # a lossless Residual is coded on the host (backend.py)
+    if not EXACT:  # a lossless Residual is coded by lossless_cuda.py
         _store_packed(residual_ptr, word_index, v, j, group_mask, 8 - BITS)
 
 
@@ -206,7 +206,7 @@ def _encode_key_blocks(
     u, v = _quantize(x, lo, hi, w < C // 8, mins_ptr, scales_ptr, block * C + channel, BITS, PARAM, 8 - BITS)
     word_index = t * (C // 8) + w
     _store_packed(codes_ptr, word_index, u, j, mask, BITS)
-    if not EXACT:  # a lossless Residual is coded on the host (backend.py)
+    if not EXACT:  # a lossless Residual is coded by lossless_cuda.py
         _store_packed(residual_ptr, word_index, v, j, mask, 8 - BITS)
 
 
@@ -338,7 +338,7 @@ def decode_rows(
     if n == 0:
         return
     if residual is not None and config.residual_is_variable:
-        raise ValueError("a lossless Residual is decoded on the host (backend.py), not by a kernel")
+        raise ValueError("a lossless Residual is decoded by lossless_cuda.py, not by this kernel")
     slots = _slots_or_all(slots, n, rows.device)
     mins, scales, codes = _param_views(anchor, layout, rows.dtype)
     words_pad = _next_pow2(channels // 8)
