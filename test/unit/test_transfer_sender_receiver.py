@@ -164,6 +164,7 @@ class Pair:
         decode_checksums: bool | None = None,
         keys: tuple[AuthKey | None, AuthKey | None] = (None, None),
         layerwise_from: int = 0,
+        layer_send_bytes: int = 0,
     ) -> None:
         """``keys``: prefill's and decode's (--lynx-auth-key-file)."""
         codec = codec or CodecConfig()
@@ -212,6 +213,7 @@ class Pair:
             offer_wait_s=offer_wait_s,
             auth=keys[0],
             layerwise_from=layerwise_from,
+            layer_send_bytes=layer_send_bytes,
         )
 
     def _notify(self, endpoint: tuple[str, int], frames: list[bytes]) -> None:
@@ -1608,6 +1610,44 @@ def test_anchors_leave_layer_by_layer_and_the_request_decodes_as_sent_whole(
         rows[streamed, "landed"] = sorted((n.stream, n.nbytes, n.checksums) for n in landed)
     assert rows[True, "landed"] == rows[False, "landed"]
     assert_rows_equal(rows[True], rows[False])
+
+
+def test_layers_leave_together_once_they_are_enough_bytes_and_the_last_at_once(
+    pairs: Callable[..., Pair],
+) -> None:
+    """Encoded layers wait until they are ``layer_send_bytes`` (a send costs CPU the forward
+    shares); the last layer leaves at once; decode gets what a chunk-wise request gets."""
+    plan = RequestLayout(LAYOUT, CodecConfig(), N_TOKENS, Mode.FULL)
+    per_layer = plan.segments[0].anchor_nbytes // LAYERS
+    pair = pairs(layerwise_from=1, layer_send_bytes=per_layer + 1)  # two layers a send
+    offer = pair.offer(46)
+    pages = pair.pages(seed=46)
+    sent = _stream_chunk(pair, 46, offer, pages[:300], last=False)
+    assert sent == [0, 2 * per_layer, 2 * per_layer, 4 * per_layer]  # LAYERS = 4
+    _stream_chunk(pair, 46, offer, pages[300:], last=True)
+    pair.wait_verdict(46, Verdict.READY)
+    dst = torch.arange(1000, 1000 + N_TOKENS)
+    pair.receiver.write_kv(46, dst)
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))
+
+
+def test_a_layer_encoded_but_not_yet_sent_is_sent_from_the_chunk_as_the_kv_is_then(
+    pairs: Callable[..., Pair],
+) -> None:
+    """Only what left is held to the chunk's encode: a layer encoded during the forward
+    and still waiting for company is encoded again with the chunk, from the KV as it is."""
+    pair = pairs(layerwise_from=1, layer_send_bytes=1 << 30)
+    offer = pair.offer(47)
+    pages = pair.pages(seed=47)
+    assert pair.sender.begin_chunk(47, pages)
+    pair.sender.layer_done(0)
+    assert pair.sender.stats().anchor_bytes == 0
+    pair.prefill_k[0][int(pages[3])] += 1.0
+    pair.chunk(47, offer, pages, True)
+    assert pair.wait_verdict(47, Verdict.READY) is None
+    dst = torch.arange(1000, 1000 + N_TOKENS)
+    pair.receiver.write_kv(47, dst)
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))
 
 
 def test_short_or_protected_requests_and_rooms_without_an_offer_do_not_stream(
