@@ -34,6 +34,7 @@ from lynx.transfer import (
     Verdict,
     page_slots,
 )
+from lynx.transfer import sender as sender_module
 from lynx.transfer.arena import ByteArena
 from lynx.transfer.auth import AuthKey
 from lynx.transfer.protocol import TAG, checksum_values, span_checksum
@@ -164,7 +165,7 @@ class Pair:
         decode_checksums: bool | None = None,
         keys: tuple[AuthKey | None, AuthKey | None] = (None, None),
         layerwise_from: int = 0,
-        layer_send_bytes: int = 0,
+        layer_send_bytes: int | None = 0,
     ) -> None:
         """``keys``: prefill's and decode's (--lynx-auth-key-file)."""
         codec = codec or CodecConfig()
@@ -1629,6 +1630,29 @@ def test_layers_leave_together_once_they_are_enough_bytes_and_the_last_at_once(
     dst = torch.arange(1000, 1000 + N_TOKENS)
     pair.receiver.write_kv(46, dst)
     assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))
+
+
+def test_by_default_layers_leave_in_sends_of_a_millisecond_of_the_peers_link(
+    pairs: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a fixed size the sends are ``LAYER_SEND_S`` of link time at the decode peer's
+    measured drain rate (the lanes' ``link_bytes``): ``LAYER_SEND_BYTES`` before it is
+    measured."""
+    plan = RequestLayout(LAYOUT, CodecConfig(), N_TOKENS, Mode.FULL)
+    per_layer = plan.segments[0].anchor_nbytes // LAYERS
+    pair = pairs(layerwise_from=1, layer_send_bytes=None)
+    asked = []
+
+    def link_bytes(peer: str, seconds: float, default: int) -> int:
+        asked.append((seconds, default))
+        return 3 * per_layer  # a link on which a millisecond is three layers of this chunk
+
+    monkeypatch.setattr(pair.sender._lanes, "link_bytes", link_bytes)
+    offer = pair.offer(48)
+    pages = pair.pages(seed=48)
+    sent = _stream_chunk(pair, 48, offer, pages[:300], last=False)
+    assert sent == [0, 0, 3 * per_layer, 4 * per_layer]
+    assert set(asked) == {(sender_module.LAYER_SEND_S, sender_module.LAYER_SEND_BYTES)}
 
 
 def test_a_layer_encoded_but_not_yet_sent_is_sent_from_the_chunk_as_the_kv_is_then(

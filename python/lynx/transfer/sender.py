@@ -173,11 +173,15 @@ class _EarlyOffers:
         return held
 
 
+LAYER_SEND_S = 1e-3
+"""The Anchor layers a chunk streams leave in sends of at least this much link time at the
+decode peer's measured drain rate (and the last layer at once). Each send through
+Mooncake's TCP transport takes CPU that prefill's forward shares: one a layer (30 a
+SmolLM2 chunk, 8 segments each) cost 1.16x plain PD's TTFT on an unshaped link, where 1 ms
+is ~2 MB; on a slow link, where the transfer is what TTFT waits for, 1 ms is less than a
+layer and every layer leaves at once (1 MiB sends cost 1.4 s of TTFT at 20 Mbit/s)."""
 LAYER_SEND_BYTES = 1 << 20
-"""The Anchor layers a chunk streams leave in sends of at least this many bytes (and the
-last layer's at once): each send through Mooncake's TCP transport takes CPU that prefill's
-forward shares; one a layer (30 a SmolLM2 chunk, 8 segments each) cost 1.16x plain PD's
-TTFT on an unshaped link. At 20 Mbit/s 1 MiB is 0.4 s of link time."""
+"""The sends' size before the peer's rate is measured (its first request)."""
 
 
 @dataclass
@@ -241,8 +245,8 @@ class ProgressiveSender:
     (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, 300 s). ``auth``: the key notices are
     signed with and offers must carry (None: none). ``layerwise_from``: the fewest tokens a
     request has for :meth:`begin_chunk` to stream its Anchor layer by layer (0: never);
-    ``layer_send_bytes``: the fewest bytes of encoded layers that leave together
-    (``LAYER_SEND_BYTES``; 0: each layer alone)."""
+    ``layer_send_bytes``: the fewest bytes of encoded layers that leave together (None:
+    ``LAYER_SEND_S`` of link time; 0: each layer alone)."""
 
     def __init__(
         self,
@@ -260,7 +264,7 @@ class ProgressiveSender:
         offer_wait_s: float = 300.0,
         auth: AuthKey | None = None,
         layerwise_from: int = 0,
-        layer_send_bytes: int = LAYER_SEND_BYTES,
+        layer_send_bytes: int | None = None,
     ) -> None:
         self._layerwise_from = layerwise_from
         self._layer_send_bytes = layer_send_bytes
@@ -626,9 +630,10 @@ class ProgressiveSender:
     def layer_done(self, layer: int) -> None:
         """Prefill wrote layer ``layer``'s KV of the chunks it computes (during its forward):
         encode that layer's Anchor of each streaming chunk's segments, and send the layers
-        encoded and not yet sent on the HIGH lane once they are ``layer_send_bytes`` or
-        the last layer (one write per segment). Layers come in order; a chunk whose next
-        layer is another stops streaming there (add_chunk sends the layers left)."""
+        encoded and not yet sent on the HIGH lane once they are enough bytes (the
+        constructor's ``layer_send_bytes``) or the last layer (one write per segment).
+        Layers come in order; a chunk whose next layer is another stops streaming there
+        (add_chunk sends the layers left)."""
         with self._lock:
             for state in list(self._rooms.values()):  # a failing room must not end the pass
                 stream = state.streaming
@@ -655,10 +660,10 @@ class ProgressiveSender:
                 self._layers_streamed += 1
                 self._layer_encode_s += time.perf_counter() - started
                 spans = [plan.anchor_layers(seg, stream.sent, stream.layers) for seg in stream.segments]
-                if (
-                    stream.layers < len(self._k)
-                    and sum(s.stop - s.start for s in spans) < self._layer_send_bytes
-                ):
+                enough = self._layer_send_bytes
+                if enough is None:
+                    enough = self._lanes.link_bytes(state.peer, LAYER_SEND_S, LAYER_SEND_BYTES)
+                if stream.layers < len(self._k) and sum(s.stop - s.start for s in spans) < enough:
                     continue
                 anchor_at = state.offer.anchor_addr - plan.region_offset(Stream.ANCHOR)
                 writes = [(space.data_ptr() + s.start, anchor_at + s.start, s.stop - s.start) for s in spans]
