@@ -710,13 +710,3 @@ def test_low_chunks_are_sized_from_the_measured_drain_rate(fake):
     fake.drain()
     assert lanes.wait("r", Lane.LOW, 5).state is StreamState.DONE
     assert lanes.close()
-
-
-def test_link_bytes_is_the_peers_measured_rate_times_the_time_else_the_default(fake):
-    lanes, _ = make(fake)
-    assert lanes.link_bytes(PEER, 1e-3, 777) == 777  # a peer never seen
-    grant(lanes, "r", 0, 64 * KIB, lanes=[Lane.HIGH])
-    assert lanes.link_bytes(PEER, 1e-3, 777) == 777  # nothing landed yet
-    lanes._peers[PEER].drain.rate = 2e9  # as measured over busy windows (test_lanes_pacing)
-    assert lanes.link_bytes(PEER, 1e-3, 777) == 2_000_000
-    lanes.close()

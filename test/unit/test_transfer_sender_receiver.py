@@ -160,6 +160,7 @@ class Pair:
         page_size: int = 1,
         landed_delay_s: float = 0.0,
         residual_hold_s: float = 0.0,
+        anchor_hold_s: float = 0.0,
         offer_wait_s: float = 60.0,
         checksums: bool = False,
         decode_checksums: bool | None = None,
@@ -210,7 +211,7 @@ class Pair:
             lane_config=LaneConfig(low_chunk_s=None, low_chunk_bytes=16 << 10, low_chunk_min_bytes=4 << 10),
             notify=self._notify,
             on_failure=self._on_failure,
-            hold_s=(0.0, residual_hold_s),
+            hold_s=(anchor_hold_s, residual_hold_s),
             offer_wait_s=offer_wait_s,
             auth=keys[0],
             layerwise_from=layerwise_from,
@@ -1632,27 +1633,47 @@ def test_layers_leave_together_once_they_are_enough_bytes_and_the_last_at_once(
     assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))
 
 
-def test_by_default_layers_leave_in_sends_of_a_millisecond_of_the_peers_link(
+def test_by_default_layers_wait_for_company_only_while_the_high_lane_is_idle(
     pairs: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without a fixed size the sends are ``LAYER_SEND_S`` of link time at the decode peer's
-    measured drain rate (the lanes' ``link_bytes``): ``LAYER_SEND_BYTES`` before it is
-    measured."""
+    """Without a fixed size, encoded layers wait until they are ``LAYER_SEND_BYTES`` while
+    none of the request's HIGH writes is in flight (a fast link: spare the forward's CPU),
+    and leave one by one while some is (a slow link: keep it busy)."""
     plan = RequestLayout(LAYOUT, CodecConfig(), N_TOKENS, Mode.FULL)
     per_layer = plan.segments[0].anchor_nbytes // LAYERS
     pair = pairs(layerwise_from=1, layer_send_bytes=None)
-    asked = []
-
-    def link_bytes(peer: str, seconds: float, default: int) -> int:
-        asked.append((seconds, default))
-        return 3 * per_layer  # a link on which a millisecond is three layers of this chunk
-
-    monkeypatch.setattr(pair.sender._lanes, "link_bytes", link_bytes)
+    monkeypatch.setattr(sender_module, "LAYER_SEND_BYTES", 2 * per_layer)
+    in_flight = {"now": False}
+    monkeypatch.setattr(pair.sender, "_high_in_flight", lambda room: in_flight["now"])
     offer = pair.offer(48)
     pages = pair.pages(seed=48)
-    sent = _stream_chunk(pair, 48, offer, pages[:300], last=False)
-    assert sent == [0, 0, 3 * per_layer, 4 * per_layer]
-    assert set(asked) == {(sender_module.LAYER_SEND_S, sender_module.LAYER_SEND_BYTES)}
+    assert pair.sender.begin_chunk(48, pages[:300])
+    sent = []
+    for layer in range(LAYERS):
+        in_flight["now"] = layer >= 2  # the first send is still on the link from layer 2 on
+        pair.sender.layer_done(layer)
+        sent.append(pair.sender.stats().anchor_bytes)
+    assert sent == [0, 2 * per_layer, 3 * per_layer, 4 * per_layer]
+    pair.chunk(48, offer, pages[:300], False)
+    pair.chunk(48, offer, pages[300:], True)
+    pair.wait_verdict(48, Verdict.READY)
+    dst = torch.arange(1000, 1000 + N_TOKENS)
+    pair.receiver.write_kv(48, dst)
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))
+
+
+def test_a_request_whose_high_writes_are_held_or_on_the_link_has_them_in_flight(
+    pairs: Callable[..., Pair],
+) -> None:
+    pair = pairs(layerwise_from=1, layer_send_bytes=0, anchor_hold_s=30.0)
+    pair.offer(49)
+    pages = pair.pages(seed=49)
+    assert pair.sender.begin_chunk(49, pages)
+    assert not pair.sender._high_in_flight(49)
+    pair.sender.layer_done(0)  # held 30 s before it goes to the lanes
+    assert pair.sender._high_in_flight(49)
+    assert not pair.sender._high_in_flight(50)  # another request's lane is idle
+    pair.sender.abort(49)
 
 
 def test_a_layer_encoded_but_not_yet_sent_is_sent_from_the_chunk_as_the_kv_is_then(

@@ -350,13 +350,6 @@ class LaneScheduler:
             elif last and stream.bytes_done == stream.bytes_submitted:
                 self._settle_stream(stream, StreamState.DONE, None, now)
 
-    def link_bytes(self, peer: str, seconds: float, default: int) -> int:
-        """How many bytes ``peer`` drains in ``seconds`` at its measured rate (both lanes);
-        ``default`` until there is a measurement."""
-        with self._lock:
-            state = self._peers.get(peer)
-            return default if state is None else state.drain.chunk_bytes(seconds, default, 0, 1 << 62)
-
     def abort(self, request_id: str) -> bool:
         """Stop a request: drop its queued writes, settle its open streams as ABORTED.
 

@@ -173,15 +173,15 @@ class _EarlyOffers:
         return held
 
 
-LAYER_SEND_S = 1e-3
-"""The Anchor layers a chunk streams leave in sends of at least this much link time at the
-decode peer's measured drain rate (and the last layer at once). Each send through
-Mooncake's TCP transport takes CPU that prefill's forward shares: one a layer (30 a
-SmolLM2 chunk, 8 segments each) cost 1.16x plain PD's TTFT on an unshaped link, where 1 ms
-is ~2 MB; on a slow link, where the transfer is what TTFT waits for, 1 ms is less than a
-layer and every layer leaves at once (1 MiB sends cost 1.4 s of TTFT at 20 Mbit/s)."""
 LAYER_SEND_BYTES = 1 << 20
-"""The sends' size before the peer's rate is measured (its first request)."""
+"""While nothing of a request is in flight on the HIGH lane, the Anchor layers its chunk
+streams wait to leave together until they are this many bytes (the last layer leaves at
+once); while some is, each layer leaves as it is encoded. Each send through Mooncake's TCP
+transport takes CPU that prefill's forward shares: one a layer (30 a SmolLM2 chunk, 8
+segments each) cost 1.16x plain PD's TTFT on an unshaped link, where a send lands before
+the next layer is computed. On a slow link, where the transfer is what TTFT waits for,
+sends are in flight and every layer leaves at once: 1 MiB sends throughout cost 1.4 s of
+TTFT at 20 Mbit/s, as did 1 ms of link time at the peer's measured drain rate."""
 
 
 @dataclass
@@ -246,7 +246,8 @@ class ProgressiveSender:
     signed with and offers must carry (None: none). ``layerwise_from``: the fewest tokens a
     request has for :meth:`begin_chunk` to stream its Anchor layer by layer (0: never);
     ``layer_send_bytes``: the fewest bytes of encoded layers that leave together (None:
-    ``LAYER_SEND_S`` of link time; 0: each layer alone)."""
+    ``LAYER_SEND_BYTES`` while the request's HIGH lane is idle, else each layer; 0: each
+    layer alone)."""
 
     def __init__(
         self,
@@ -662,13 +663,23 @@ class ProgressiveSender:
                 spans = [plan.anchor_layers(seg, stream.sent, stream.layers) for seg in stream.segments]
                 enough = self._layer_send_bytes
                 if enough is None:
-                    enough = self._lanes.link_bytes(state.peer, LAYER_SEND_S, LAYER_SEND_BYTES)
+                    enough = 0 if self._high_in_flight(state.room) else LAYER_SEND_BYTES
                 if stream.layers < len(self._k) and sum(s.stop - s.start for s in spans) < enough:
                     continue
                 anchor_at = state.offer.anchor_addr - plan.region_offset(Stream.ANCHOR)
                 writes = [(space.data_ptr() + s.start, anchor_at + s.start, s.stop - s.start) for s in spans]
                 stream.sent = stream.layers
                 self._dispatch(state.room, Lane.HIGH, writes, False, time.monotonic())
+
+    def _high_in_flight(self, room: int) -> bool:
+        """Whether some of the request's HIGH writes have not landed (or are held)."""
+        if any(held[1] == room for held in self._held[Lane.HIGH]):
+            return True
+        try:
+            status = self._lanes.status(str(room), Lane.HIGH)
+        except (LaneError, KeyError):  # aborted meanwhile
+            return False
+        return status.bytes_done < status.bytes_submitted
 
     def pump(self) -> None:
         """Encode and send every queued chunk whose request has (or now gets) space."""
