@@ -42,7 +42,7 @@ _LANES = 128  # blocks per program
 _INVALID = -1  # a lookup entry of a context without a table
 # faults as cpp_backend.RESIDUAL_FAULTS indexes them
 _FAULT_NO_TABLE, _FAULT_RANGE, _FAULT_NON_FINITE, _FAULT_BLOCKS = 4, 6, 7, 9
-_REVERSED = {}  # device -> the 12-bit bit reversal of 0..4095
+_REVERSED: dict[torch.device, torch.Tensor] = {}  # device -> the 12-bit bit reversal of 0..4095
 
 
 def supports(dtype: torch.dtype) -> bool:
