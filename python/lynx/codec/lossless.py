@@ -48,8 +48,8 @@ Part body (what one part's Residual is; at most ``1 + n * C * W / 8`` bytes)
 A decoder refuses (``CodecInputError``) a body of another length than its content (a
 stream of another length than its block table says included), a block whose values take
 other bits than its count, an unknown format byte, contexts out of order or out of range,
-lengths that are not a complete prefix code, a value whose context has no table, an ordinal out of range, a
-non-finite word, and non-zero padding bits.
+lengths that are not a complete prefix code, a value whose context has no table, an
+ordinal out of range, a non-finite word, and non-zero padding bits.
 """
 
 from __future__ import annotations

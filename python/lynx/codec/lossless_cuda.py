@@ -65,10 +65,6 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
 
 
-def _ordinals(words: torch.Tensor) -> torch.Tensor:
-    return torch.where(words >= 0x8000, 0x7FFF - words, words)
-
-
 @dataclass
 class _Model:
     """Each value's Anchor-only word and context, all parts in one flat array."""
@@ -114,7 +110,9 @@ def encode_bodies(
     fmt = lossless.word_format(dtype)
     symbols, device = fmt.symbols, values[0].device
     model = _model(parts, dtype, config)
-    d = _ordinals(_words(torch.cat([x.reshape(-1) for x in values]))) - _ordinals(model.anchor_words)
+    d = lossless.ordinals(_words(torch.cat([x.reshape(-1) for x in values])), fmt) - lossless.ordinals(
+        model.anchor_words, fmt
+    )
     z = torch.where(d >= 0, 2 * d, -2 * d - 1)  # < 2**17: exact as float32
     symbol = ((z.float().view(torch.int32) >> 23) - 126).clamp_(min=0)  # bit length of z
     key = model.contexts * symbols + symbol
@@ -430,8 +428,8 @@ def decode_bodies(
         for code in (_FAULT_NO_TABLE, _FAULT_BLOCKS):
             faults[code] = reference.range_counts(lane_fault == code, lane_starts)
         d = (z >> 1) ^ -(z & 1)
-        ordinal = _ordinals(model.anchor_words) + d
-        words = torch.where(ordinal < 0, 0x7FFF - ordinal, ordinal)
+        ordinal = lossless.ordinals(model.anchor_words, fmt) + d
+        words = lossless.words_of(ordinal, fmt)
         faults[_FAULT_RANGE] = reference.range_counts((ordinal < -0x8000) | (ordinal > 0x7FFF), model.starts)
     for index in raw_parts:
         start = model.starts[index]

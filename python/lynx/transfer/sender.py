@@ -180,8 +180,9 @@ once); while some is, each layer leaves as it is encoded. Each send through Moon
 transport takes CPU that prefill's forward shares: one a layer (30 a SmolLM2 chunk, 8
 segments each) cost 1.16x plain PD's TTFT on an unshaped link, where a send lands before
 the next layer is computed. On a slow link, where the transfer is what TTFT waits for,
-sends are in flight and every layer leaves at once: 1 MiB sends throughout cost 1.4 s of
-TTFT at 20 Mbit/s, as did 1 ms of link time at the peer's measured drain rate."""
+sends are in flight and every layer leaves at once. SmolLM2 2k at 20 Mbit/s, TTFT: every
+layer 7.3 s, 1 MiB sends throughout 8.7 s, 1 ms of link time at the peer's measured drain
+rate 8.1 s, this rule 8.0 s (docs/benchmarks.md)."""
 
 
 @dataclass
