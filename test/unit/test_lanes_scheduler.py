@@ -615,6 +615,8 @@ def test_config_is_validated():
         LaneConfig(poll_min_s=1e-2, poll_max_s=1e-3)
     with pytest.raises(ValueError, match="poll_high_s"):
         LaneConfig(poll_high_s=2e-3, poll_max_s=1e-3)
+    with pytest.raises(ValueError, match="poll_high_max_s"):
+        LaneConfig(poll_high_max_s=1e-5)
     with pytest.raises(ValueError, match="deadline_s"):
         LaneConfig(deadline_s=0)
     with pytest.raises(ValueError, match="low_chunk_s"):
@@ -709,4 +711,27 @@ def test_low_chunks_are_sized_from_the_measured_drain_rate(fake):
     assert sizes == [64, 100, 100, 100]  # unmeasured: low_chunk_bytes; then paced
     fake.drain()
     assert lanes.wait("r", Lane.LOW, 5).state is StreamState.DONE
+    assert lanes.close()
+
+
+def test_high_writes_a_slow_peer_cannot_land_soon_are_polled_sparingly(fake):
+    """On a slow link HIGH writes stay in the engine for seconds (an Anchor sent layer by
+    layer during prefill's forward): the driver sleeps by the peer's measured drain rate,
+    up to ``poll_high_max_s``, instead of polling every ``poll_high_s``; a landing is
+    still noticed."""
+    lanes, _ = make(fake, poll_high_max_s=5e-3)
+    grant(lanes, "r", 0, 1024 * KIB, lanes=[Lane.HIGH])
+    lanes.submit("r", Lane.HIGH, [(SRC, DST, KIB)], last=False)
+    (first,) = fake.wait_batches(1)
+    time.sleep(0.02)
+    fake.resolve(first)  # 1 KiB in >= 20 ms: the peer drains < 52 KB/s
+    fake.let_driver_cycle(first, 1)
+    lanes.submit("r", Lane.HIGH, [(SRC + KIB, DST + KIB, 64 * KIB)], last=True)
+    second = fake.wait_batches(2)[1]
+    fake.let_driver_cycle(second, 1)
+    polls = second.polls
+    time.sleep(0.1)  # 64 KiB take > 1.2 s at that rate: the driver sleeps 5 ms a poll
+    assert second.polls - polls <= 0.1 / 5e-3 + 2
+    fake.resolve(second)
+    assert lanes.wait("r", Lane.HIGH, 5).state is StreamState.DONE
     assert lanes.close()

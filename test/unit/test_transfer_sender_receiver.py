@@ -1636,9 +1636,10 @@ def test_layers_leave_together_once_they_are_enough_bytes_and_the_last_at_once(
 def test_by_default_layers_wait_for_company_only_while_the_high_lane_is_idle(
     pairs: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without a fixed size, encoded layers wait until they are ``LAYER_SEND_BYTES`` while
-    none of the request's HIGH writes is in flight (a fast link: spare the forward's CPU),
-    and leave one by one while some is (a slow link: keep it busy)."""
+    """Without a fixed size, the first layer leaves at once (nothing is on the link yet);
+    later ones wait until they are ``LAYER_SEND_BYTES`` while none of the request's HIGH
+    writes is in flight (a fast link: spare the forward's CPU), and leave one by one while
+    some is (a slow link: keep it busy)."""
     plan = RequestLayout(LAYOUT, CodecConfig(), N_TOKENS, Mode.FULL)
     per_layer = plan.segments[0].anchor_nbytes // LAYERS
     pair = pairs(layerwise_from=1, layer_send_bytes=None)
@@ -1650,10 +1651,10 @@ def test_by_default_layers_wait_for_company_only_while_the_high_lane_is_idle(
     assert pair.sender.begin_chunk(48, pages[:300])
     sent = []
     for layer in range(LAYERS):
-        in_flight["now"] = layer >= 2  # the first send is still on the link from layer 2 on
+        in_flight["now"] = layer >= 3  # the second send is still on the link from layer 3 on
         pair.sender.layer_done(layer)
         sent.append(pair.sender.stats().anchor_bytes)
-    assert sent == [0, 2 * per_layer, 3 * per_layer, 4 * per_layer]
+    assert sent == [per_layer, per_layer, 3 * per_layer, 4 * per_layer]
     pair.chunk(48, offer, pages[:300], False)
     pair.chunk(48, offer, pages[300:], True)
     pair.wait_verdict(48, Verdict.READY)

@@ -17,8 +17,9 @@ the deadlines. A chunk handed to a submitter counts as in the engine from that
 moment, so a deadline that passes while its submit blocks fails the request and `release`
 still refuses until the engine has let go of it. The driver never spins: with transfers in
 flight it sleeps on a condition variable between polls (exponential backoff from
-`poll_min_s` to `poll_max_s`, at most `poll_high_s` while HIGH writes are in flight, reset
-by any progress, cut short by any `submit`); with none in flight it sleeps until the next
+`poll_min_s` to `poll_max_s`; while HIGH writes are in flight at most `poll_high_s`, or
+an eighth of the time their peer's measured drain rate says they need; reset by any
+progress, cut short by any `submit`); with none in flight it sleeps until the next
 deadline or the next `submit`. It never calls the engine's sync APIs or batch wait, which
 spin a core.
 
@@ -58,6 +59,7 @@ _SUBMITTER_LINGER_S = 1.0  # an idle peer's submitter thread waits this long for
 MAX_DEADLINE_S = 3600.0
 """Longest per-request deadline: a transfer still open after an hour has a dead peer, and
 a finite bound keeps every wait the driver computes representable."""
+_HIGH_POLL_FRACTION = 1 / 8  # of a peer's expected drain time, the driver's sleep (poll_high_max_s)
 _DRIVER_ERROR_PAUSE_S = 0.05  # after a failed pass: a fault that repeats must not spin a core
 
 
@@ -129,6 +131,13 @@ class LaneConfig:
     # (Mooncake runs a peer's first 4 transfers in parallel, one per TCP connection, so a
     # HIGH write may land before LOW chunks submitted ahead of it.)
     poll_high_s: float = 100e-6
+    # ... unless every peer with HIGH writes in the engine has a measured drain rate: then
+    # the driver sleeps an eighth of the soonest time one of them can drain its bytes in
+    # the engine, within [poll_high_s, poll_high_max_s]. On a slow link HIGH writes are in
+    # the engine for seconds (an Anchor sent layer by layer during prefill's forward), and
+    # polling each 100 us took 14% of a core and the GIL from that forward (SmolLM2 2k at
+    # 20 Mbit/s); a landing is still noticed within an eighth of its write's link time.
+    poll_high_max_s: float = 5e-3
 
     def __post_init__(self) -> None:
         if self.low_chunk_bytes <= 0 or self.low_inflight <= 0:
@@ -142,6 +151,8 @@ class LaneConfig:
             raise ValueError("need 0 < poll_min_s <= poll_max_s")
         if not 0 < self.poll_high_s <= self.poll_max_s:
             raise ValueError("need 0 < poll_high_s <= poll_max_s")
+        if self.poll_high_max_s < self.poll_high_s:
+            raise ValueError("need poll_high_s <= poll_high_max_s")
 
 
 class _Stream:
@@ -571,7 +582,12 @@ class LaneScheduler:
             if not (plan or to_probe or events or stop):
                 if in_engine:
                     high = any(chunk.stream.lane is Lane.HIGH for chunk in in_engine)
-                    self._wake.wait(min(backoff, self._config.poll_high_s) if high else backoff)
+                    if high:
+                        self._wake.wait(
+                            max(min(backoff, self._config.poll_high_s), self._high_poll_s(in_engine))
+                        )
+                    else:
+                        self._wake.wait(backoff)
                     backoff = min(2 * backoff, self._config.poll_max_s)
                 else:
                     self._wake.wait(self._until_next_deadline(now))
@@ -594,6 +610,22 @@ class LaneScheduler:
             if resolved:
                 self._apply(resolved, time.monotonic())
         return False, backoff
+
+    def _high_poll_s(self, in_engine: list[_Chunk]) -> float:
+        """(Lock held) The longest the driver may sleep with HIGH writes in the engine, by
+        the drain rates of their peers (LaneConfig.poll_high_max_s); 0 if one is unmeasured."""
+        queued: dict[_Peer, int] = {}
+        for chunk in in_engine:
+            peer = chunk.stream.request.peer
+            queued[peer] = queued.get(peer, 0) + chunk.nbytes
+        soonest = math.inf
+        for chunk in in_engine:
+            if chunk.stream.lane is Lane.HIGH:
+                peer = chunk.stream.request.peer
+                if not peer.drain.rate:  # unmeasured, or only failed writes (0 B/s)
+                    return 0.0
+                soonest = min(soonest, queued[peer] / peer.drain.rate)
+        return min(soonest * _HIGH_POLL_FRACTION, self._config.poll_high_max_s)
 
     def _recount_in_engine(self, in_engine: list[_Chunk]) -> None:
         """After a failed pass: the per-peer and per-request counts of writes in the

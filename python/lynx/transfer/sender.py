@@ -175,14 +175,15 @@ class _EarlyOffers:
 
 LAYER_SEND_BYTES = 1 << 20
 """While nothing of a request is in flight on the HIGH lane, the Anchor layers its chunk
-streams wait to leave together until they are this many bytes (the last layer leaves at
-once); while some is, each layer leaves as it is encoded. Each send through Mooncake's TCP
-transport takes CPU that prefill's forward shares: one a layer (30 a SmolLM2 chunk, 8
-segments each) cost 1.16x plain PD's TTFT on an unshaped link, where a send lands before
-the next layer is computed. On a slow link, where the transfer is what TTFT waits for,
-sends are in flight and every layer leaves at once. SmolLM2 2k at 20 Mbit/s, TTFT: every
-layer 7.3 s, 1 MiB sends throughout 8.7 s, 1 ms of link time at the peer's measured drain
-rate 8.1 s, this rule 8.0 s (docs/benchmarks.md)."""
+streams wait to leave together until they are this many bytes (the first and the last
+layer leave at once); while some is, each layer leaves as it is encoded. Each send through
+Mooncake's TCP transport takes CPU that prefill's forward shares: one a layer (30 a SmolLM2
+chunk, 8 segments each) cost 1.16x plain PD's TTFT on an unshaped link, where a send lands
+before the next layer is computed. On a slow link, where the transfer is what TTFT waits
+for, sends are in flight and every layer leaves at once. SmolLM2 2k at 20 Mbit/s, TTFT:
+every layer 7.3 s, 1 MiB sends throughout 8.7 s, 1 ms of link time at the peer's measured
+drain rate 8.1 s, this rule 8.0 s, and 7.0 s (1.07x the Anchor's link time) once the lanes
+stopped polling every 100 us while the Anchor is on the link (docs/benchmarks.md)."""
 
 
 @dataclass
@@ -664,7 +665,10 @@ class ProgressiveSender:
                 spans = [plan.anchor_layers(seg, stream.sent, stream.layers) for seg in stream.segments]
                 enough = self._layer_send_bytes
                 if enough is None:
-                    enough = 0 if self._high_in_flight(state.room) else LAYER_SEND_BYTES
+                    # The first layer has nothing on the link to wait behind: on a slow link
+                    # its company would cost a layer's compute of link time.
+                    alone = stream.sent == 0 or self._high_in_flight(state.room)
+                    enough = 0 if alone else LAYER_SEND_BYTES
                 if stream.layers < len(self._k) and sum(s.stop - s.start for s in spans) < enough:
                     continue
                 anchor_at = state.offer.anchor_addr - plan.region_offset(Stream.ANCHOR)
