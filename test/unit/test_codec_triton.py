@@ -14,7 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
-from lynx.codec import CodecConfig, triton_kernels  # noqa: E402
+from lynx.codec import CodecConfig, backend, triton_kernels  # noqa: E402
 from lynx.codec.format import part_layout  # noqa: E402
 from lynx.codec.reference import decode_part, encode_part, raise_non_finite  # noqa: E402
 
@@ -90,3 +90,35 @@ def test_kernel_marks_non_finite_groups() -> None:
         assert int((~torch.isfinite(mins)).sum()) == 2
     with pytest.raises(ValueError, match="token 6"):
         raise_non_finite(pool, "in layer 0 keys", slots, 64)
+
+
+def test_an_anchor_enqueued_on_the_device_is_encode_pages_anchor_unchecked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``enqueue_anchor_pages`` (the sender's layer-by-layer Anchors on a GPU) writes the
+    Anchor ``encode_pages`` writes; it reads nothing back, so a NaN raises there and not
+    here; a CPU pool is refused."""
+    from lynx.codec import CodecInputError, KVLayout, encode_pages, enqueue_anchor_pages, segment_nbytes
+
+    layout = KVLayout(2, 2, 64, torch.bfloat16)
+    pool = [_rows(torch.bfloat16, 40, 128, seed).view(40, 2, 64).to(DEVICE) for seed in range(4)]
+    k, v = pool[:2], pool[2:]
+    slots = torch.tensor([3, 17, 5, 30, 8, 22, 11, 39, 0], device=DEVICE)
+    config = CodecConfig(residual="exact")
+    anchor_nbytes, residual_nbytes = segment_nbytes(layout, slots.numel(), config)
+    expected = torch.empty(anchor_nbytes, dtype=torch.uint8, device=DEVICE)
+    got = torch.empty_like(expected)
+    with monkeypatch.context() as patch:
+        if DEVICE == "cpu":
+            patch.setattr(backend, "_use_triton", lambda t: True)
+        residual = torch.empty(residual_nbytes, dtype=torch.uint8, device=DEVICE)
+        encode_pages(k, v, slots, config, expected, residual)
+        enqueue_anchor_pages(k, v, slots, config, got)
+        assert torch.equal(got, expected)
+        v[1][slots[4], 1, 7] = float("nan")
+        enqueue_anchor_pages(k, v, slots, config, got)
+        with pytest.raises(CodecInputError, match="nan in layer 1 values at token 4"):
+            encode_pages(k, v, slots, config, expected, residual)
+    if DEVICE == "cpu":
+        with pytest.raises(CodecInputError, match="CUDA pool"):
+            enqueue_anchor_pages(k, v, slots, config, got)

@@ -77,9 +77,10 @@ def test_plan_describes_every_step_as_json_without_touching_cuda(
         assert step["details"] and len(step["items"]) == 1
         assert f"| {step['name']} | {step['items'][0]['name']} | planned |" in printed
     steps = {step["name"]: step["details"] for step in report["steps"]}
-    assert steps["codec"]["command"][-2:] == [
+    assert steps["codec"]["command"][-3:] == [
         "test/unit/test_codec_triton.py",
         "test/unit/test_codec_lossless_cuda.py",
+        "test/unit/test_sender_layers_cuda.py",
     ]
     assert steps["codec"]["test_files_found"] is True and steps["codec"]["cwd"] == str(ROOT)
     assert steps["bytes"]["modes"] == list(codec_bench.MODES)

@@ -70,7 +70,8 @@ class FakeBatch:
 
 class CopyBackend:
     """Copies each batch with memmove when first polled after it may complete. ``fail_batch``:
-    that batch (0-based) fails instead; ``hold``: nothing completes while it is set."""
+    that batch (0-based) fails instead; ``hold``: nothing completes while it is set.
+    ``device_source``: a CUDA send buffer, whose bytes are read through the host."""
 
     session_id = "prefill:1"
 
@@ -82,6 +83,7 @@ class CopyBackend:
         self.lock = threading.Lock()
         self.batches: list[FakeBatch] = []
         self.registered: dict[int, int] = {}
+        self.device_source: torch.Tensor | None = None
 
     def probe(self, peer: str) -> bool:
         return peer == DECODE_SESSION
@@ -107,7 +109,12 @@ class CopyBackend:
             return BatchState.FAILED
         if not handle.copied:
             for t in handle.transfers:
-                ctypes.memmove(t.dst, t.src, t.length)
+                if self.device_source is None:
+                    ctypes.memmove(t.dst, t.src, t.length)
+                    continue
+                at = t.src - self.device_source.data_ptr()
+                staged = self.device_source[at : at + t.length].cpu()
+                ctypes.memmove(t.dst, staged.data_ptr(), t.length)
             handle.copied = True
         return BatchState.DONE
 
@@ -119,17 +126,17 @@ class CopyBackend:
 # ---- both sides in one process -----------------------------------------------------------------
 
 
-def kv_pool(seed: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def kv_pool(seed: int | None, device: str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Random bf16 K and V layer buffers; zeros when ``seed`` is None."""
     shape = (ROWS, HEADS, HEAD_DIM)
     if seed is None:
         return (
-            [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)],
-            [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)],
+            [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)],
+            [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)],
         )
     gen = torch.Generator().manual_seed(seed)
-    k = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
-    v = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    k = [torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(LAYERS)]
+    v = [torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(LAYERS)]
     return k, v
 
 
@@ -167,8 +174,10 @@ class Pair:
         keys: tuple[AuthKey | None, AuthKey | None] = (None, None),
         layerwise_from: int = 0,
         layer_send_bytes: int | None = 0,
+        device: str = "cpu",
     ) -> None:
-        """``keys``: prefill's and decode's (--lynx-auth-key-file)."""
+        """``keys``: prefill's and decode's (--lynx-auth-key-file); ``device``: prefill's
+        pool and send buffer's (decode's stay on the CPU)."""
         codec = codec or CodecConfig()
         self.landed_delay_s = landed_delay_s
         self.handshake = Handshake(mode, codec, LAYOUT, *protect, checksums)
@@ -181,7 +190,7 @@ class Pair:
         )
         self.page_size = page_size
         self.backend = backend or CopyBackend()
-        self.prefill_k, self.prefill_v = kv_pool(seed=0)
+        self.prefill_k, self.prefill_v = kv_pool(seed=0, device=device)
         self.decode_k, self.decode_v = kv_pool(seed=None)
         self.lock = threading.Lock()
         self.notices: list[Notice] = []
@@ -200,7 +209,11 @@ class Pair:
             on_dropped=self.dropped.append,
             auth=keys[1],
         )
-        self.send_buffer = torch.zeros(send_bytes or 4 * request_nbytes(self.handshake), dtype=torch.uint8)
+        self.send_buffer = torch.zeros(
+            send_bytes or 4 * request_nbytes(self.handshake), dtype=torch.uint8, device=device
+        )
+        if self.send_buffer.is_cuda:
+            self.backend.device_source = self.send_buffer
         self.sender = ProgressiveSender(
             backend=self.backend,
             buffer=self.send_buffer,

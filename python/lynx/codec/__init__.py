@@ -21,7 +21,14 @@ from .format import (
     WireMismatchError,
     segment_nbytes,
 )
-from .pages import check_pages, decode_pages, encode_pages, kv_layout_of, residual_nbytes_of
+from .pages import (
+    check_pages,
+    decode_pages,
+    encode_pages,
+    enqueue_anchor_pages,
+    kv_layout_of,
+    residual_nbytes_of,
+)
 
 __all__ = [
     "WIRE_VERSION",
@@ -37,6 +44,7 @@ __all__ = [
     "decode_pages",
     "encode",
     "encode_pages",
+    "enqueue_anchor_pages",
     "kv_layout_of",
     "residual_nbytes_of",
     "segment_nbytes",

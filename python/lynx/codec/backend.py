@@ -20,7 +20,7 @@ import torch
 
 from . import cpp_backend, reference
 from .cpp_backend import PartIO
-from .format import CodecConfig, CodecInputError, Kind, part_layout
+from .format import CodecConfig, CodecInputError, Kind, PartLayout, part_layout
 
 BACKEND_ENV = "LYNX_CODEC_BACKEND"
 
@@ -90,6 +90,24 @@ def encode_rows(
     return reference.encode_part(part, kind, config, anchor_out, residual_out, where, slots, head_dim)
 
 
+def enqueue_parts_on_device(
+    parts: Sequence[PartIO], slots: torch.Tensor, config: CodecConfig
+) -> list[PartLayout]:
+    """The Triton kernels of ``encode_parts`` on CUDA parts (the Anchor, and the Residual of
+    a fixed-size one), enqueued on the current stream; nothing is read back, so no value is
+    checked. Returns each part's layout."""
+    from . import triton_kernels
+
+    layouts = []
+    for part in parts:
+        layout = part_layout(slots.numel(), part.rows.shape[1], part.kind, config, part.rows.dtype)
+        reference.check_buffer(part.anchor, layout.anchor_nbytes, "anchor")
+        reference.check_buffer(part.residual, layout.residual_nbytes, "residual")
+        triton_kernels.encode_rows(part.rows, slots, part.kind, config, layout, part.anchor, part.residual)
+        layouts.append(layout)
+    return layouts
+
+
 def _encode_on_device(
     parts: Sequence[PartIO],
     wheres: Sequence[str],
@@ -99,16 +117,10 @@ def _encode_on_device(
 ) -> list[int]:
     """``encode_parts`` of CUDA parts: the Triton kernels, then a lossless Residual coded
     on the device (``lossless_cuda``), or on the host for 32-bit words."""
-    from . import lossless_cuda, triton_kernels
+    from . import lossless_cuda
 
     dtype = parts[0].rows.dtype
-    layouts = []
-    for part in parts:
-        layout = part_layout(slots.numel(), part.rows.shape[1], part.kind, config, dtype)
-        reference.check_buffer(part.anchor, layout.anchor_nbytes, "anchor")
-        reference.check_buffer(part.residual, layout.residual_nbytes, "residual")
-        triton_kernels.encode_rows(part.rows, slots, part.kind, config, layout, part.anchor, part.residual)
-        layouts.append(layout)
+    layouts = enqueue_parts_on_device(parts, slots, config)
     lows = [
         reference.params(part.anchor, layout, layout.mins_offset, dtype)
         for part, layout in zip(parts, layouts, strict=True)

@@ -94,10 +94,17 @@ def _prepare(
     config: CodecConfig,
     anchor: torch.Tensor,
     residual: torch.Tensor | None,
+    *,
+    read_slots: bool = True,
 ) -> KVLayout:
+    """Check the pool, the slots (their range too, which reads them back, if
+    ``read_slots``) and the buffers; returns the pool's layout."""
     layout = kv_layout_of(k_buffers, v_buffers)
     check_layout(layout, config)
-    _check_slots(slots, k_buffers[0].shape[0], k_buffers[0].device)
+    if read_slots:
+        _check_slots(slots, k_buffers[0].shape[0], k_buffers[0].device)
+    elif slots.dtype != torch.int64 or slots.dim() != 1 or slots.device != k_buffers[0].device:
+        raise CodecInputError(f"slots must be a 1-D int64 tensor on {k_buffers[0].device}")
     needed = segment_nbytes(layout, slots.numel(), config)
     for what, buf, nbytes in (("anchor", anchor, needed[0]), ("residual", residual, needed[1])):
         if buf is None:
@@ -111,6 +118,20 @@ def _prepare(
                 f"{what} buffer has {buf.numel()} bytes, a segment of {slots.numel()} tokens needs {nbytes}"
             )
     return layout
+
+
+def _anchor_only(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    n_tokens: int,
+    config: CodecConfig,
+    device: torch.device,
+) -> tuple[CodecConfig, torch.Tensor]:
+    """For an Anchor coded alone: the cheapest config with the same Anchor (every residual
+    mode has it), and scratch space for the Residual it also writes."""
+    anchor_only = dataclasses.replace(config, residual="int8")
+    nbytes = segment_nbytes(kv_layout_of(k_buffers, v_buffers), n_tokens, anchor_only)[1]
+    return anchor_only, torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def encode_pages(
@@ -128,13 +149,8 @@ def encode_pages(
 
     Raises CodecInputError, naming layer, kind, token and slot, on a non-finite value.
     """
-    if residual_out is None:  # every residual mode has the same Anchor: the cheapest codes it
-        anchor_only = dataclasses.replace(config, residual="int8")
-        scratch = torch.empty(
-            segment_nbytes(kv_layout_of(k_buffers, v_buffers), slots.numel(), anchor_only)[1],
-            dtype=torch.uint8,
-            device=anchor_out.device,
-        )
+    if residual_out is None:
+        anchor_only, scratch = _anchor_only(k_buffers, v_buffers, slots.numel(), config, anchor_out.device)
         encode_pages(k_buffers, v_buffers, slots, anchor_only, anchor_out, scratch)
         return 0
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor_out, residual_out)
@@ -151,6 +167,33 @@ def encode_pages(
     if not config.residual_is_variable:
         return residual_out.numel()
     return _compact_residual(residual_out, [r.start for r in ranges], used, residual_header_nbytes(layout))
+
+
+def enqueue_anchor_pages(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    config: CodecConfig,
+    anchor_out: torch.Tensor,
+) -> None:
+    """The Anchor of ``encode_pages`` for a CUDA pool, enqueued on the current stream
+    (after the KV writes enqueued there) and not waited for: nothing is read back, so no
+    value is checked (a non-finite one makes a meaningless Anchor, not an error), and
+    ``slots`` must be known to lie in the pool. For a caller that encodes the same KV again,
+    checked, before anything it sent is used: the sender's layer-by-layer Anchors, held to
+    their chunk's encode. Raises CodecInputError for a CPU pool or buffers that do not fit."""
+    if not backend._use_triton(anchor_out):
+        raise CodecInputError(f"enqueue_anchor_pages codes a CUDA pool, not one on {anchor_out.device}")
+    anchor_only, scratch = _anchor_only(k_buffers, v_buffers, slots.numel(), config, anchor_out.device)
+    layout = _prepare(k_buffers, v_buffers, slots, anchor_only, anchor_out, scratch, read_slots=False)
+    if not slots.numel():
+        return
+    buffers = {"key": k_buffers, "value": v_buffers}
+    parts = [
+        PartIO(buffers[kind][layer].view(-1, layout.channels), kind, anchor_out[anchors], scratch[residuals])
+        for layer, kind, anchors, residuals in _parts(layout, slots.numel(), anchor_only)
+    ]
+    backend.enqueue_parts_on_device(parts, slots, anchor_only)
 
 
 def _compact_residual(residual: torch.Tensor, starts: list[int], lengths: list[int], head: int) -> int:

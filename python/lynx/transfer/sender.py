@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lynx.codec import CodecError, encode_pages
+from lynx.codec import CodecError, encode_pages, enqueue_anchor_pages
 from lynx.lanes import (
     AddressError,
     AddressRanges,
@@ -200,6 +200,16 @@ class _LayerStream:
 
 
 @dataclass
+class _GatedWrite:
+    """Anchor layers encoded on a CUDA stream: their HIGH writes leave once ``done`` (an
+    event recorded after the encode) has happened."""
+
+    done: torch.cuda.Event
+    room: int
+    writes: list[tuple[int, int, int]]
+
+
+@dataclass
 class _Room:
     room: int
     peer: str  # the decode engine's session id
@@ -302,6 +312,11 @@ class ProgressiveSender:
         self._held: dict[Lane, deque[tuple[float, int, Lane, list[tuple[int, int, int]], bool]]] = {
             lane: deque() for lane in Lane
         }
+        # On a CUDA send buffer: streamed layers' writes waiting for their encode, in order,
+        # and the thread that hands each to the lanes once it is done (started with the first).
+        self._gated: deque[_GatedWrite] = deque()
+        self._gate_wakes = threading.Condition(self._lock)
+        self._gate: threading.Thread | None = None
         self._lanes = LaneScheduler(backend, lane_config, on_settled=self._on_settled)
         self._lanes.register_source(buffer.data_ptr(), buffer.numel())
         self._stop = threading.Event()
@@ -598,10 +613,8 @@ class ProgressiveSender:
         chunk whole, as without this call) for a request of fewer than ``layerwise_from``
         tokens, for a room with no accepted offer, with earlier
         chunks waiting for send space or behind another room that waits, with no such
-        segment in this chunk, or on a CUDA send buffer (where the encode would have to be
-        ordered after each layer's KV write with an event: not built)."""
-        if self._buffer.is_cuda:
-            return False
+        segment in this chunk, or with pages outside the pool (add_chunk's encode names
+        them)."""
         with self._lock:
             try:
                 state = self._room_of(room)
@@ -623,11 +636,13 @@ class ProgressiveSender:
             plan = state.plan
             slots = torch.cat([*state.slots, page_slots(pages, self._page_size)])[: plan.n_tokens]
             tokens = slots.numel()
+            if tokens and not 0 <= int(slots.min()) <= int(slots.max()) < self._k[0].shape[0]:
+                return False  # on a device the encode would not check them
             ready = plan.ready(tokens, last=tokens >= plan.n_tokens)[state.segments_sent :]
             segments = [seg for seg in ready if not seg.protected]
             if not segments:
                 return False
-            state.streaming = _LayerStream(segments, slots)
+            state.streaming = _LayerStream(segments, slots.to(self._buffer.device))
             return True
 
     def layer_done(self, layer: int) -> None:
@@ -636,7 +651,11 @@ class ProgressiveSender:
         encoded and not yet sent on the HIGH lane once they are enough bytes (the
         constructor's ``layer_send_bytes``) or the last layer (one write per segment).
         Layers come in order; a chunk whose next layer is another stops streaming there
-        (add_chunk sends the layers left)."""
+        (add_chunk sends the layers left). On a CUDA send buffer the encode is enqueued on
+        the current stream, after the layer's KV writes, and its writes leave once it is
+        done (an event; the forward never waits): its values are checked by add_chunk's
+        encode, before decode may use what left, and ``layer_encode_s`` counts only the
+        enqueueing."""
         with self._lock:
             for state in list(self._rooms.values()):  # a failing room must not end the pass
                 stream = state.streaming
@@ -648,14 +667,13 @@ class ProgressiveSender:
                 space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
                 try:
                     for seg in stream.segments:
-                        encode_pages(
-                            self._k[layer : layer + 1],
-                            self._v[layer : layer + 1],
-                            stream.slots[seg.start : seg.end],
-                            self.handshake.codec,
-                            space[plan.anchor_layers(seg, layer, layer + 1)],
-                            None,
-                        )
+                        pool = (self._k[layer : layer + 1], self._v[layer : layer + 1])
+                        slots = stream.slots[seg.start : seg.end]
+                        out = space[plan.anchor_layers(seg, layer, layer + 1)]
+                        if self._buffer.is_cuda:
+                            enqueue_anchor_pages(*pool, slots, self.handshake.codec, out)
+                        else:
+                            encode_pages(*pool, slots, self.handshake.codec, out, None)
                 except CodecError as exc:
                     self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
                     continue
@@ -674,11 +692,53 @@ class ProgressiveSender:
                 anchor_at = state.offer.anchor_addr - plan.region_offset(Stream.ANCHOR)
                 writes = [(space.data_ptr() + s.start, anchor_at + s.start, s.stop - s.start) for s in spans]
                 stream.sent = stream.layers
-                self._dispatch(state.room, Lane.HIGH, writes, False, time.monotonic())
+                if self._buffer.is_cuda:
+                    self._gate_until_encoded(state.room, writes)
+                else:
+                    self._dispatch(state.room, Lane.HIGH, writes, False, time.monotonic())
+
+    def _gate_until_encoded(self, room: int, writes: list[tuple[int, int, int]]) -> None:
+        """(Lock held) Hand ``writes`` to the lanes once the encode enqueued so far on the
+        current CUDA stream is done."""
+        done = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins a core
+        done.record(torch.cuda.current_stream(self._buffer.device))
+        self._gated.append(_GatedWrite(done, room, writes))
+        if self._gate is None:
+            self._gate = threading.Thread(target=self._pass_gated, name="lynx-sender-gate", daemon=True)
+            self._gate.start()
+        self._gate_wakes.notify()
+
+    def _pass_gated(self) -> None:  # gate thread
+        while True:
+            with self._lock:
+                self._gate_wakes.wait_for(lambda: self._gated or self._stop.is_set())
+                if self._stop.is_set():
+                    return
+                head = self._gated[0]
+            head.done.synchronize()
+            with self._lock:
+                if self._gated and self._gated[0] is head:  # else add_chunk passed it already
+                    self._gated.popleft()
+                    self._dispatch(head.room, Lane.HIGH, head.writes, False, time.monotonic())
+
+    def _pass_gated_of(self, room: int) -> None:
+        """(Lock held) Wait for the encode of the request's gated writes (its forward is
+        over) and hand them to the lanes, ahead of its chunk's own writes."""
+        kept: deque[_GatedWrite] = deque()
+        for gated in self._gated:
+            if gated.room == room:
+                gated.done.synchronize()
+                self._dispatch(room, Lane.HIGH, gated.writes, False, time.monotonic())
+            else:
+                kept.append(gated)
+        self._gated = kept
 
     def _high_in_flight(self, room: int) -> bool:
-        """Whether some of the request's HIGH writes have not landed (or are held)."""
+        """Whether some of the request's HIGH writes have not landed (or are held, or wait
+        for their encode)."""
         if any(held[1] == room for held in self._held[Lane.HIGH]):
+            return True
+        if any(gated.room == room for gated in self._gated):
             return True
         try:
             status = self._lanes.status(str(room), Lane.HIGH)
@@ -775,8 +835,12 @@ class ProgressiveSender:
             )
 
     def close(self) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            self._gate_wakes.notify()
         self._reaper.join(timeout=5)
+        if self._gate is not None:
+            self._gate.join(timeout=5)
         self._lanes.close()
 
     # ---- internals ----------------------------------------------------------------------------
@@ -814,6 +878,7 @@ class ProgressiveSender:
             all_slots = torch.cat(state.slots)[: plan.n_tokens].to(self._buffer.device)
             space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
             streaming = state.streaming
+            self._pass_gated_of(state.room)  # what left must be encoded before it is compared
             # layers whose Anchor left during the forward, by segment
             streamed = {seg.start: streaming.sent for seg in streaming.segments} if streaming else {}
             # decode's address of each stream's region

@@ -1,8 +1,10 @@
 """The ``codec`` step: the Triton codec's unit tests, run on the GPU.
 
 Runs:    ``python -m pytest -q -p no:cacheprovider test/unit/test_codec_triton.py
-         test/unit/test_codec_lossless_cuda.py`` (the Anchor kernels, the device coder of
-         the lossless Residual) as a subprocess in ``--repo`` (this checkout by default)
+         test/unit/test_codec_lossless_cuda.py test/unit/test_sender_layers_cuda.py`` (the
+         Anchor kernels, the device coder of the lossless Residual, the sender's
+         layer-by-layer Anchors ordered by CUDA events) as a subprocess in ``--repo`` (this
+         checkout by default)
          with TRITON_INTERPRET unset, so that the Triton kernels run on the GPU, not in
          Triton's interpreter, against the torch reference and the CPU codec; for at most
          300 s, and no longer than the budget left.

@@ -28,7 +28,11 @@ from lynx.tools.gpu_check.device import PEAK_GBPS
 DESCRIPTION = "The GPU check: a prepared run on one CUDA host, a few minutes long, not part of CI."
 STEPS = ("codec", "bytes", "throughput", "pd")
 DEFAULT_OUT = Path("benchmark/results/gpu_check.json")
-CODEC_TESTS = (Path("test/unit/test_codec_triton.py"), Path("test/unit/test_codec_lossless_cuda.py"))
+CODEC_TESTS = (
+    Path("test/unit/test_codec_triton.py"),
+    Path("test/unit/test_codec_lossless_cuda.py"),
+    Path("test/unit/test_sender_layers_cuda.py"),
+)
 RDMA_ROOT = Path("/sys/class/infiniband")
 PROMPTS = (  # the pd step's greedy prompts; --prompts takes the first ones
     "The capital of France is",
