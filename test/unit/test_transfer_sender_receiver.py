@@ -1767,3 +1767,25 @@ def test_a_streamed_anchor_that_is_not_the_chunks_fails_the_room(
     why = "differs from the chunk's" if fault == "kv changed" else "other KV slots than it announced"
     assert room == 44 and reason.startswith("room 44, tokens [0, 256): ") and why in reason
     assert pair.wait_verdict(44, Verdict.FAIL) is not None
+
+
+def test_a_chunk_computed_before_the_previous_one_is_added_streams_too(pairs: Callable[..., Pair]) -> None:
+    """Upstream's overlap scheduler runs a request's next chunk before it hands the sender
+    the last one: both chunks' Anchors leave layer by layer, each held to its own chunk's
+    encode, and decode gets what a chunk-wise request gets."""
+    pair = pairs(layerwise_from=1)
+    offer = pair.offer(62)
+    pages = pair.pages(seed=62)
+    for chunk in (pages[:300], pages[300:]):
+        assert pair.sender.begin_chunk(62, chunk)
+        for layer in range(LAYERS):
+            pair.sender.layer_done(layer)
+    plan = RequestLayout(LAYOUT, CodecConfig(), N_TOKENS, Mode.FULL)
+    assert pair.sender.stats().anchor_bytes == plan.anchor_nbytes  # every segment streamed
+    pair.chunk(62, offer, pages[:300], False)
+    pair.chunk(62, offer, pages[300:], True)
+    pair.wait_verdict(62, Verdict.READY)
+    assert pair.sender.stats().layers_streamed == 2 * LAYERS and not pair.failures
+    dst = torch.arange(1000, 1000 + N_TOKENS)
+    pair.receiver.write_kv(62, dst)
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))

@@ -188,15 +188,21 @@ stopped polling every 100 us while the Anchor is on the link (docs/benchmarks.md
 
 @dataclass
 class _LayerStream:
-    """A chunk prefill is computing, whose ``segments`` (unprotected, each complete once the
+    """A chunk prefill computes, whose ``segments`` (unprotected, each complete once the
     chunk is) send their Anchor layer by layer: ``slots`` are the request's from its first
-    token through the chunk, ``layers`` how many layers' Anchors are encoded, ``sent`` how
-    many of them left."""
+    token through the chunk (on the send buffer's device), ``chunk_slots`` the chunk's own
+    (on the host), ``layers`` how many layers' Anchors are encoded, ``sent`` how many of
+    them left, ``unchecked`` how many segments add_chunk has yet to hold to its encode."""
 
     segments: list[Segment]
     slots: torch.Tensor
+    chunk_slots: torch.Tensor
     layers: int = 0
     sent: int = 0
+    unchecked: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unchecked = len(self.segments)
 
 
 @dataclass
@@ -228,7 +234,9 @@ class _Room:
     settled: set[Lane] = field(default_factory=set)
     closed: bool = False  # last chunk encoded, or the room failed
     failed: bool = False
-    streaming: _LayerStream | None = None  # begin_chunk -> the add_chunk that encodes its segments
+    # begin_chunk -> the add_chunk that encodes its segments, oldest first: under upstream's
+    # overlap scheduler a request's next chunk computes before its last one is added
+    streams: deque[_LayerStream] = field(default_factory=deque)
 
 
 @dataclass
@@ -614,14 +622,17 @@ class ProgressiveSender:
         tokens, for a room with no accepted offer, with earlier
         chunks waiting for send space or behind another room that waits, with no such
         segment in this chunk, or with pages outside the pool (add_chunk's encode names
-        them)."""
+        them). A chunk may begin before the previous one is added (upstream's overlap
+        scheduler), once that one's forward is over."""
         with self._lock:
             try:
                 state = self._room_of(room)
             except ValueError:
                 return False
-            if state is None or state.closed or state.pending or state.streaming is not None:
+            if state is None or state.closed or state.pending:
                 return False
+            if state.streams and state.streams[-1].layers < len(self._k):
+                return False  # the previous chunk's forward did not report every layer
             if not 0 < self._layerwise_from <= state.plan.n_tokens:
                 return False
             if state.offset is None:
@@ -634,15 +645,18 @@ class ProgressiveSender:
                     log.exception("Lynx: room %s: cannot start its transfer", room)
                     return False
             plan = state.plan
-            slots = torch.cat([*state.slots, page_slots(pages, self._page_size)])[: plan.n_tokens]
+            chunk_slots = page_slots(pages, self._page_size)
+            earlier = [*state.slots, *(stream.chunk_slots for stream in state.streams)]
+            slots = torch.cat([*earlier, chunk_slots])[: plan.n_tokens]
             tokens = slots.numel()
             if tokens and not 0 <= int(slots.min()) <= int(slots.max()) < self._k[0].shape[0]:
                 return False  # on a device the encode would not check them
-            ready = plan.ready(tokens, last=tokens >= plan.n_tokens)[state.segments_sent :]
+            added = len(plan.ready(sum(part.numel() for part in earlier), last=False))
+            ready = plan.ready(tokens, last=tokens >= plan.n_tokens)[added:]
             segments = [seg for seg in ready if not seg.protected]
             if not segments:
                 return False
-            state.streaming = _LayerStream(segments, slots.to(self._buffer.device))
+            state.streams.append(_LayerStream(segments, slots.to(self._buffer.device), chunk_slots))
             return True
 
     def layer_done(self, layer: int) -> None:
@@ -658,7 +672,7 @@ class ProgressiveSender:
         enqueueing."""
         with self._lock:
             for state in list(self._rooms.values()):  # a failing room must not end the pass
-                stream = state.streaming
+                stream = state.streams[-1] if state.streams else None
                 if stream is None or state.closed or stream.layers != layer:
                     continue
                 started = time.perf_counter()
@@ -877,10 +891,9 @@ class ProgressiveSender:
                 continue
             all_slots = torch.cat(state.slots)[: plan.n_tokens].to(self._buffer.device)
             space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
-            streaming = state.streaming
             self._pass_gated_of(state.room)  # what left must be encoded before it is compared
-            # layers whose Anchor left during the forward, by segment
-            streamed = {seg.start: streaming.sent for seg in streaming.segments} if streaming else {}
+            # the chunks that streamed, by their segments' starts
+            streams = {seg.start: stream for stream in state.streams for seg in stream.segments}
             # decode's address of each stream's region
             regions = {Stream.ANCHOR: state.offer.anchor_addr, Stream.RESIDUAL: state.offer.residual_addr}
             writes: dict[Stream, list[tuple[int, int, int]]] = {stream: [] for stream in plan.streams}
@@ -889,7 +902,8 @@ class ProgressiveSender:
                 for seg in ready:
                     anchor, residual = plan.byte_ranges(seg)
                     travels = seg.protected or Stream.RESIDUAL in plan.streams
-                    layers_out = streamed.pop(seg.start, 0)
+                    stream_of = streams.get(seg.start)
+                    layers_out = 0 if stream_of is None else stream_of.sent
                     # A streamed segment's Anchor is coded again aside, and must match what left.
                     anchor_out = torch.empty_like(space[anchor]) if layers_out else space[anchor]
                     residual_nbytes = encode_pages(
@@ -901,9 +915,11 @@ class ProgressiveSender:
                         space[residual] if travels else None,  # anchor-only: no Residual to code
                     )
                     out = plan.anchor_layers(seg, 0, layers_out)
+                    if stream_of is not None:
+                        stream_of.unchecked -= 1
                     if layers_out:
-                        assert streaming is not None
-                        why = self._streamed_differs(seg, streaming, all_slots, anchor_out, space, out)
+                        assert stream_of is not None
+                        why = self._streamed_differs(seg, stream_of, all_slots, anchor_out, space, out)
                         if why is not None:
                             self._fail(
                                 state.room, f"room {state.room}, tokens [{seg.start}, {seg.end}): {why}"
@@ -926,8 +942,7 @@ class ProgressiveSender:
                     for stream, span in ranges:
                         checksums[stream].append(span_checksum(space[span]))
             state.segments_sent += len(ready)
-            if streaming is not None and not streamed:
-                state.streaming = None
+            state.streams = deque(stream for stream in state.streams if stream.unchecked)
             for stream, stream_writes in writes.items():
                 if stream_writes or last:  # a chunk of protected segments only has no Residual
                     submitted.append((_LANE_OF_STREAM[stream], stream_writes, last))
@@ -947,7 +962,7 @@ class ProgressiveSender:
     @staticmethod
     def _streamed_differs(
         seg: Segment,
-        streaming: _LayerStream,
+        stream: _LayerStream,
         all_slots: torch.Tensor,
         anchor_out: torch.Tensor,
         space: torch.Tensor,
@@ -957,7 +972,7 @@ class ProgressiveSender:
         request's space) are not the chunk's own: other KV slots than announced, or KV
         that changed after its layer was written. None when they match, byte for byte."""
         tokens = slice(seg.start, seg.end)
-        if not torch.equal(streaming.slots[tokens], all_slots[tokens].to(streaming.slots.device)):
+        if not torch.equal(stream.slots[tokens], all_slots[tokens].to(stream.slots.device)):
             return "prefill computed them into other KV slots than it announced before its forward"
         start = out.start - seg.anchor_offset
         if not torch.equal(anchor_out[start : start + out.stop - out.start], space[out]):
