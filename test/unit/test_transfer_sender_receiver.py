@@ -1771,13 +1771,14 @@ def test_a_streamed_anchor_that_is_not_the_chunks_fails_the_room(
 
 def test_a_chunk_computed_before_the_previous_one_is_added_streams_too(pairs: Callable[..., Pair]) -> None:
     """Upstream's overlap scheduler runs a request's next chunk before it hands the sender
-    the last one: both chunks' Anchors leave layer by layer, each held to its own chunk's
-    encode, and decode gets what a chunk-wise request gets."""
+    the last one (announcing the pages from the first one not sent: both chunks'): both
+    chunks' Anchors leave layer by layer, each held to its own chunk's encode, and decode
+    gets what a chunk-wise request gets."""
     pair = pairs(layerwise_from=1)
     offer = pair.offer(62)
     pages = pair.pages(seed=62)
-    for chunk in (pages[:300], pages[300:]):
-        assert pair.sender.begin_chunk(62, chunk)
+    for announced in (pages[:300], pages):
+        assert pair.sender.begin_chunk(62, announced)
         for layer in range(LAYERS):
             pair.sender.layer_done(layer)
     plan = RequestLayout(LAYOUT, CodecConfig(), N_TOKENS, Mode.FULL)
@@ -1788,4 +1789,23 @@ def test_a_chunk_computed_before_the_previous_one_is_added_streams_too(pairs: Ca
     assert pair.sender.stats().layers_streamed == 2 * LAYERS and not pair.failures
     dst = torch.arange(1000, 1000 + N_TOKENS)
     pair.receiver.write_kv(62, dst)
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))
+
+
+def test_a_next_chunk_whose_pages_disagree_with_the_streaming_one_goes_whole(
+    pairs: Callable[..., Pair],
+) -> None:
+    pair = pairs(layerwise_from=1)
+    offer = pair.offer(63)
+    pages = pair.pages(seed=63)
+    assert pair.sender.begin_chunk(63, pages[:300])
+    for layer in range(LAYERS):
+        pair.sender.layer_done(layer)
+    assert not pair.sender.begin_chunk(63, pages[300:])  # not from the first page unsent
+    pair.chunk(63, offer, pages[:300], False)
+    pair.chunk(63, offer, pages[300:], True)
+    pair.wait_verdict(63, Verdict.READY)
+    assert pair.sender.stats().layers_streamed == LAYERS and not pair.failures
+    dst = torch.arange(1000, 1000 + N_TOKENS)
+    pair.receiver.write_kv(63, dst)
     assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(page_slots(pages, 1)[:N_TOKENS]))

@@ -190,13 +190,13 @@ stopped polling every 100 us while the Anchor is on the link (docs/benchmarks.md
 class _LayerStream:
     """A chunk prefill computes, whose ``segments`` (unprotected, each complete once the
     chunk is) send their Anchor layer by layer: ``slots`` are the request's from its first
-    token through the chunk (on the send buffer's device), ``chunk_slots`` the chunk's own
-    (on the host), ``layers`` how many layers' Anchors are encoded, ``sent`` how many of
-    them left, ``unchecked`` how many segments add_chunk has yet to hold to its encode."""
+    token through the chunk (on the host; ``device_slots`` on the send buffer's device),
+    ``layers`` how many layers' Anchors are encoded, ``sent`` how many of them left,
+    ``unchecked`` how many segments add_chunk has yet to hold to its encode."""
 
     segments: list[Segment]
     slots: torch.Tensor
-    chunk_slots: torch.Tensor
+    device_slots: torch.Tensor
     layers: int = 0
     sent: int = 0
     unchecked: int = field(init=False)
@@ -645,18 +645,23 @@ class ProgressiveSender:
                     log.exception("Lynx: room %s: cannot start its transfer", room)
                     return False
             plan = state.plan
-            chunk_slots = page_slots(pages, self._page_size)
-            earlier = [*state.slots, *(stream.chunk_slots for stream in state.streams)]
-            slots = torch.cat([*earlier, chunk_slots])[: plan.n_tokens]
+            # ``pages`` run from the first token not added yet: under the overlap scheduler
+            # they hold the previous chunk's too
+            slots = torch.cat([*state.slots, page_slots(pages, self._page_size)])[: plan.n_tokens]
             tokens = slots.numel()
             if tokens and not 0 <= int(slots.min()) <= int(slots.max()) < self._k[0].shape[0]:
                 return False  # on a device the encode would not check them
-            added = len(plan.ready(sum(part.numel() for part in earlier), last=False))
-            ready = plan.ready(tokens, last=tokens >= plan.n_tokens)[added:]
+            done = state.segments_sent
+            if state.streams:  # what the chunks computed before this one stream already
+                earlier = state.streams[-1].slots
+                if not torch.equal(slots[: earlier.numel()], earlier):
+                    return False
+                done = len(plan.ready(earlier.numel(), last=False))
+            ready = plan.ready(tokens, last=tokens >= plan.n_tokens)[done:]
             segments = [seg for seg in ready if not seg.protected]
             if not segments:
                 return False
-            state.streams.append(_LayerStream(segments, slots.to(self._buffer.device), chunk_slots))
+            state.streams.append(_LayerStream(segments, slots, slots.to(self._buffer.device)))
             return True
 
     def layer_done(self, layer: int) -> None:
@@ -682,7 +687,7 @@ class ProgressiveSender:
                 try:
                     for seg in stream.segments:
                         pool = (self._k[layer : layer + 1], self._v[layer : layer + 1])
-                        slots = stream.slots[seg.start : seg.end]
+                        slots = stream.device_slots[seg.start : seg.end]
                         out = space[plan.anchor_layers(seg, layer, layer + 1)]
                         if self._buffer.is_cuda:
                             enqueue_anchor_pages(*pool, slots, self.handshake.codec, out)
