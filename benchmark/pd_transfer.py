@@ -45,6 +45,7 @@ from lynx.tools.cluster import (
     ServerConfig,
     SingleServer,
     free_port,
+    http_json,
     pd_body,
     pd_generate,
     start_together,
@@ -159,13 +160,27 @@ def final_report(answer: dict) -> dict | None:
     return reports[-1] if reports else None
 
 
+PREFILL_COUNTERS = ("layers_streamed", "layer_encode_s", "lanes_driver_cpu_s", "lanes_polls")
+"""What a Lynx prefill's ``/server_info`` counts, recorded per request (``prefill``)."""
+
+
+def prefill_counters(pair: Pair) -> dict[str, float]:
+    """``PREFILL_COUNTERS`` of the pair's prefill now ({} without Lynx)."""
+    info = http_json(pair.servers["prefill"].url + "/server_info", timeout=30)
+    stats = info["internal_states"][0].get("lynx_transfer") or {}
+    return {key: stats[key] for key in PREFILL_COUNTERS if key in stats}
+
+
 def measure(pair: Pair, prompts: dict[int, list[str]], marks: list[int], round_: int) -> list[dict[str, Any]]:
-    """A warm-up request, then each prompt once, streamed: one record per request."""
+    """A warm-up request, then each prompt once, streamed: one record per request, with
+    what the prefill counted during it (requests run one at a time)."""
     pair.generate("warm up", 2)
     runs = []
     for context, texts in prompts.items():
         for index, text in enumerate(texts):
+            before = prefill_counters(pair)
             answer, times = pair.stream(text, marks)
+            after = prefill_counters(pair)
             report = final_report(answer)
             runs.append(
                 {
@@ -176,6 +191,7 @@ def measure(pair: Pair, prompts: dict[int, list[str]], marks: list[int], round_:
                     "kv_bytes": report["anchor_bytes"] + report["residual_bytes"] if report else None,
                     "output_ids": answer["output_ids"],
                     "report": report,
+                    "prefill": {key: after[key] - before[key] for key in after if key in before},
                 }
             )
     return runs

@@ -250,6 +250,8 @@ class SenderStats:
     offers_waiting: int  # for a request that does not exist yet, or whose length is not known
     lanes_driver_alive: bool  # False: the lanes' driver thread ended, no transfer can move
     lanes_driver_errors: int  # driver passes that raised (each failed the open transfers)
+    lanes_driver_cpu_s: float  # CPU time of the lanes' driver thread, engine polls included
+    lanes_polls: int  # the driver's polls of the engine
     layers_streamed: int  # layer Anchors sent during prefill's forward, ahead of their chunk
     layer_encode_s: float  # spent encoding them, on the forward's path
     # reason ("expired", "overflow", "quota", "duplicate"; with a key "unsigned",
@@ -841,6 +843,8 @@ class ProgressiveSender:
             return SenderStats(
                 lanes_driver_alive=lanes.driver_alive,
                 lanes_driver_errors=lanes.driver_errors,
+                lanes_driver_cpu_s=lanes.driver_cpu_s,
+                lanes_polls=lanes.polls,
                 layers_streamed=self._layers_streamed,
                 layer_encode_s=self._layer_encode_s,
                 rooms=len(self._rooms),
