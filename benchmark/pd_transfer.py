@@ -59,7 +59,10 @@ CONFIGS: dict[str, list[str]] = {
     "lynx-full": ["--lynx"],
     "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
     "lynx-speculative": ["--lynx", "--lynx-mode", "speculative"],
-    # each chunk's Anchor leaves layer by layer while prefill computes it
+    # each chunk's Anchor leaves once the chunk is computed (the default streams it layer by
+    # layer as prefill computes it, from 2,048 tokens) ...
+    "lynx-speculative-chunkwise": ["--lynx", "--lynx-mode", "speculative", "--lynx-layerwise-from", "0"],
+    # ... and from 256 tokens
     "lynx-speculative-layerwise": ["--lynx", "--lynx-mode", "speculative", "--lynx-layerwise-from", "256"],
 }
 SIDES = {"prefill": netlink.PREFILL, "decode": netlink.DECODE}

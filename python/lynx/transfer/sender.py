@@ -755,11 +755,9 @@ class ProgressiveSender:
         self._gated = kept
 
     def _high_in_flight(self, room: int) -> bool:
-        """Whether some of the request's HIGH writes have not landed (or are held, or wait
-        for their encode)."""
+        """Whether some of the request's HIGH writes have not landed (or are held). Writes
+        waiting for their encode on a device are not: they say nothing of the link."""
         if any(held[1] == room for held in self._held[Lane.HIGH]):
-            return True
-        if any(gated.room == room for gated in self._gated):
             return True
         try:
             status = self._lanes.status(str(room), Lane.HIGH)
