@@ -8,7 +8,8 @@ for the module; the speculative ones run upstream's default overlap scheduler:
 * ``P0``/``D0``: plain BF16 PD at TP 2 (the reference: outputs at TP 2 differ from TP 1
   after some tokens on this random-weight model, so compare at equal TP);
 * ``PS``/``DS``: speculative, exact residual, the Residual held back so every request
-  speculates, 2-bit Anchors so held tokens are often rejected, at TP 2;
+  speculates, 2-bit Anchors so held tokens are often rejected, at TP 2; ``PS`` sends
+  each chunk's Anchor layer by layer (``--lynx-layerwise-from 64``), each rank its heads;
 * ``P1``/``D1``: Lynx with the same Anchor and Residual at TP 1, the peers of the mixed-TP
   pairing tests: conftest's shared speculative pair.
 
@@ -85,7 +86,7 @@ def servers(
     group: dict[str, Any] = {
         "P0": Prefill(config(2), log_dir, "P0", []),
         "D0": decode_server(config(2), log_dir, "D0", []),
-        "PS": Prefill(config(2), log_dir, "PS", SPEC),
+        "PS": Prefill(config(2), log_dir, "PS", [*SPEC, "--lynx-layerwise-from", "64"]),
         "DS": decode_server(config(2), log_dir, "DS", SPEC),
     }
     with shared.running(request, group) as everything:
@@ -98,9 +99,11 @@ def idle_kv(servers: dict) -> dict[str, int]:
 
 
 def test_speculative_at_tp2_equals_plain_pd_at_tp2(servers: dict, idle_kv: dict) -> None:
-    """Concurrent requests speculate on both ranks' Anchors, are verified once both ranks'
-    Residuals landed, and commit the same tokens on both ranks: exactly plain PD's."""
+    """Concurrent requests speculate on both ranks' Anchors (sent layer by layer as prefill
+    computes them), are verified once both ranks' Residuals landed, and commit the same
+    tokens on both ranks: exactly plain PD's."""
     lengths = [24, 5, 12, 24, 17]
+    streamed = state(servers["PS"])["lynx_transfer"]["layers_streamed"]
 
     def run(prefill: str, decode: str) -> list[dict]:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -111,6 +114,7 @@ def test_speculative_at_tp2_equals_plain_pd_at_tp2(servers: dict, idle_kv: dict)
             return [call.result() for call in calls]
 
     spec, plain = run("PS", "DS"), run("P0", "D0")
+    assert state(servers["PS"])["lynx_transfer"]["layers_streamed"] > streamed
     for prompt, n, a, b in zip(PROMPTS, lengths, spec, plain, strict=True):
         assert a["output_ids"] == b["output_ids"], prompt[:40]
         assert a["meta_info"]["completion_tokens"] == n
