@@ -88,7 +88,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "layerwise_from": (
         int,
         "Prefill: a request of at least this many tokens sends each chunk's Anchor layer by "
-        "layer while the chunk computes (0: off, each chunk's Anchor once it is computed).",
+        "layer while the chunk computes (default 2048; 0: off, each chunk's Anchor once it is "
+        "computed).",
     ),
     "auth_key_file": (
         str,
