@@ -5,9 +5,10 @@ full-precision one when the Residual lands.
 Hook target (``sglang.srt.`` omitted):
 * ``model_executor.model_runner.ModelRunner.sample`` AROUND: before upstream samples a
   decode batch, for each row of a sampled request decoding on Anchor KV, keep the
-  distribution upstream's sampler draws from (:func:`lynx.verify.target_probs`:
-  temperature, softmax, top-k / top-p / min-p). Upstream then softmaxes the logits in
-  place, so this runs first.
+  probabilities upstream's sampler filters and draws from (:func:`lynx.verify.
+  tempered_probs`: temperature, softmax); the filters (top-k / top-p / min-p) are applied
+  once the drawn token is known (:func:`lynx.verify.draft_probs`). Upstream then
+  softmaxes the logits in place, so this runs first.
 
 Contract: scheduler thread (the model runner runs there with either scheduler loop);
 reads the logits, never changes them.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lynx.verify import target_probs
+from lynx.verify import tempered_probs
 from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
 
@@ -35,7 +36,7 @@ def _keep_draft_distributions(
         for i, pool_row in enumerate(rows):
             spec = sampled.get(pool_row)
             if spec is not None:
-                spec.pending_probs.append(target_probs(logits[i : i + 1], spec.sampling)[0])
+                spec.pending_probs.append(tempered_probs(logits[i : i + 1], spec.sampling)[0])
     return original(runner, logits_output, forward_batch, *args, **kwargs)
 
 

@@ -80,6 +80,7 @@ from lynx.verify import (
     agree,
     committed_logprobs,
     decide,
+    draft_probs,
     held_tokens_problem,
     kv_after_commit,
     report,
@@ -110,8 +111,9 @@ class Speculation:
     last_held_at: float | None = None
     transfer: RoomReport | None = None
     report: SpeculationReport | None = None
-    # Sampled requests: the distributions tokens in flight are drawn from, oldest first
-    # (appended by the sampler hook, taken when the token is held). The overlap loop
+    # Sampled requests: the unfiltered probabilities tokens in flight are drawn from
+    # (:func:`lynx.verify.tempered_probs`), oldest first (appended by the sampler hook,
+    # filtered around the drawn token when it is held). The overlap loop
     # samples a step before the previous step's token is held: two may be in flight.
     pending_probs: deque[torch.Tensor] = field(default_factory=deque)
     draft_bytes: int = 0  # what its held draft distributions take
@@ -252,9 +254,10 @@ class SpeculativeDecoder:
         request at the cap)."""
         spec = self.speculation_of(req)
         assert spec is not None
-        probs = spec.pending_probs.popleft() if spec.pending_probs else None
-        if spec.sampled and probs is None:
+        tempered = spec.pending_probs.popleft() if spec.pending_probs else None
+        if spec.sampled and tempered is None:
             raise RuntimeError(f"request {req.rid}: its draft distribution was not kept")
+        probs = None if tempered is None else draft_probs(tempered, spec.sampling, token)
         if spec.held.state is SpecState.PARKED:
             spec.held.hold_late(token, probs)
         else:
@@ -276,7 +279,7 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _draft_row_bytes(spec: Speculation) -> int:
-        return spec.sampling.vocab_size * 4  # float32, as target_probs returns it
+        return spec.sampling.vocab_size * 4  # float32, as draft_probs returns it
 
     def park(self, req: Any, reason: ParkReason) -> None:
         spec = self.speculation_of(req)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,32 @@ def log_dir(request: pytest.FixtureRequest) -> Path:
 
 
 START_S_PER_SERVER = 120.0
+
+# What a server log says when something went wrong: CI keeps only pytest's output, so a
+# failing test carries these lines of the logs it may have read.
+TROUBLE = re.compile(r"error|fail|exception|traceback|abort|refus|timed? ?out", re.IGNORECASE)
+# ... but not what every start prints
+STARTUP = re.compile(r"server_args=|Ignore import error|Custom allreduce failed")
+TROUBLE_LINES_PER_LOG = 20
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    module = getattr(item, "module", None)
+    name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
+    for log in sorted([*(LOG_ROOT / name).glob("*.log"), *(LOG_ROOT / "shared").glob("*.log")]):
+        lines = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if TROUBLE.search(line) and not STARTUP.search(line)
+        ]
+        if lines:
+            tail = "\n".join(lines[-TROUBLE_LINES_PER_LOG:])
+            report.sections.append((f"{log.parent.name}/{log.name}: its last lines of trouble", tail))
 
 
 class SharedServers:

@@ -33,7 +33,7 @@ from lynx.verify.decision import (
 )
 from lynx.verify.logprobs import CommittedLogprobs, LogprobRequest, committed_logprobs
 from lynx.verify.rollback import KVCommit, kv_after_commit
-from lynx.verify.sampling import SamplingSettings, filter_probs, target_probs
+from lynx.verify.sampling import SamplingSettings, draft_probs, filter_probs, target_probs, tempered_probs
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
 from lynx.verify.stats import NEAR_TIE_GAP, NEAR_TIE_ULPS, SpeculationReport, SpeculationStats
 from lynx.verify.window import WindowEstimator, speculation_window
@@ -62,6 +62,7 @@ __all__ = [
     "bf16_ulp",
     "committed_logprobs",
     "decide",
+    "draft_probs",
     "filter_probs",
     "greedy_agreement",
     "greedy_rejections",
@@ -73,6 +74,7 @@ __all__ = [
     "sampling_rejections",
     "speculation_window",
     "target_probs",
+    "tempered_probs",
     "unverifiable_because",
     "verify_greedy",
     "verify_sampling",
