@@ -57,6 +57,8 @@ TEXTS = [*BASE_TEXTS, f"{DOCS}/tutorial/classes.rst.txt", f"{PLAYS}/othello_gut.
 CONFIGS: dict[str, list[str]] = {
     "bf16": [],
     "lynx-full": ["--lynx"],
+    # ``full`` as it was before the Anchor streamed layer by layer: #29's "today's full"
+    "lynx-full-chunkwise": ["--lynx", "--lynx-layerwise-from", "0"],
     "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
     "lynx-speculative": ["--lynx", "--lynx-mode", "speculative"],
     # each chunk's Anchor leaves once the chunk is computed (the default streams it layer by
