@@ -3,7 +3,7 @@ speculative-sampling rule compares like with like.
 
 Both the draft distribution ``q`` (kept when a token is sampled on Anchor KV) and the
 verify distribution ``p`` (from the verify pass on refined KV) go through the same
-:func:`target_probs`: temperature, softmax, then top-k, top-p and min-p filtering as
+:func:`filter_probs` after temperature and softmax: top-k, top-p and min-p filtering as
 upstream's torch sampling backend applies them (``sglang.srt.layers.sampler.
 top_k_top_p_min_p_sampling_from_probs_torch``, whose draws are ``multinomial`` over the
 filtered, unnormalised probabilities). The rule then commits tokens distributed exactly as
@@ -12,12 +12,13 @@ the filtered full-precision distribution, as upstream's own speculative decoding
 Ties at a top-k or top-p cut-off (common: logits from BF16 products take few distinct
 values) are kept or cut in an order upstream does not fix: its torch backend takes
 ``torch.topk`` over the batch's largest top-k, whose order among equal probabilities
-differs from a sort's (and may change with that k), flashinfer yet another. So ``p`` cuts
-ties as a descending sort orders them, and ``q`` (:func:`draft_probs`) moves the token
-actually drawn ahead of its equals: it was kept, whichever order kept it, and its
-probability, the kept mass and so the acceptance of every held token are upstream's
-exactly. Which of the drawn token's equals were cut with it is unknown; a rejection's
-correction is drawn as if the sort's order had cut them.
+differs from a sort's (and may change with that k); flashinfer's kernels have their own.
+So ``p`` (:func:`target_probs`) cuts ties as a descending sort orders them, and ``q``
+(:func:`draft_probs`) moves the token actually drawn ahead of its equals: it was kept,
+whichever order kept it, and with the torch backend its probability, the kept mass and
+so the acceptance of every held token are upstream's exactly. Which of the drawn token's
+equals were cut with it is unknown; a rejection's correction is drawn as if the sort's
+order had cut them.
 """
 
 from __future__ import annotations
