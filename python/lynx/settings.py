@@ -118,9 +118,9 @@ class LynxSettings:
     residual_hold_s: float = 0.0
     # Prefill, not paired (the bytes on the wire are the same): a request of at least this
     # many tokens sends each chunk's Anchor layer by layer while the chunk computes (0:
-    # never; each chunk's once it is computed). 2048: from there it cost <= 1.05x TTFT on an
-    # unshaped link, and 256-token prompts 1.07x (SmolLM2, CPU), while at 20 Mbit/s it cut
-    # a 2k prompt's TTFT from 0.48x to 0.28x plain PD's (docs/benchmarks.md).
+    # never; each chunk's once it is computed). 2048: from there it cost <= 1.02x of chunk by
+    # chunk's TTFT on an unshaped link, and 256-token prompts 1.07x (SmolLM2, CPU), while at
+    # 20 Mbit/s it cut a 2k prompt's TTFT from 0.48x to 0.28x plain PD's (docs/benchmarks.md).
     layerwise_from: int = 2048
     # A file holding the key both servers sign their Lynx messages with ("": none). Paired:
     # its id is part of the handshake.

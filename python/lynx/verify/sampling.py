@@ -104,4 +104,4 @@ def draft_probs(tempered: torch.Tensor, sampling: SamplingSettings, token: int) 
     keeps nothing (:func:`lynx.verify.held_tokens_problem` names it before any verify)."""
     inside = 0 <= token < tempered.shape[-1]
     keep = torch.tensor([token], dtype=torch.int64, device=tempered.device) if inside else None
-    return filter_probs(tempered[None].clone(), sampling.top_k, sampling.top_p, sampling.min_p, keep)[0]
+    return filter_probs(tempered[None], sampling.top_k, sampling.top_p, sampling.min_p, keep)[0]
