@@ -26,8 +26,9 @@ bootstrap/status thread; every other method on the scheduler thread.
   ``_handle_node_failure`` (decode: upstream's heartbeat declared a prefill dead, so the
   receive space it may have written is free), ``teardown``.
 * ``mooncake.conn.MooncakeKVSender``: ``__init__`` and ``init`` (the request of the room
-  exists, then its length is known: only then is decode's offer answered), ``poll`` (hold
-  ``Success`` while chunks wait for send space: their KV pages must stay), ``clear``.
+  exists, then its length is known: only then is decode's offer answered), ``poll`` (encode
+  what the sender holds: the last chunk's Residuals, once upstream has the first token to
+  send; hold ``Success`` until every chunk is encoded: their KV pages must stay), ``clear``.
 * ``mooncake.conn.MooncakeKVReceiver``: ``send_metadata`` (refuse a prefill server of
   another attention-TP size; take the room, reserve receive space first; wait if there is
   none; none of this where decode's radix cache holds the whole prompt), ``poll`` (the
@@ -225,9 +226,13 @@ class LynxKVSender(MooncakeKVSender):
         status = super().poll()
         lynx = self.kv_mgr.lynx
         sender = lynx.sender if lynx is not None else None
-        if status == KVPoll.Success and sender is not None and sender.holds_pages(self.bootstrap_room):
-            sender.pump()
-            return KVPoll.Transferring  # its KV pages must stay until they are encoded
+        if status in (KVPoll.Transferring, KVPoll.Success) and sender is not None:
+            # The last chunk's Residuals are encoded here, once upstream has the first token
+            # to send (add_transfer_request), or chunks still wait for send space.
+            if sender.holds_pages(self.bootstrap_room):
+                sender.pump()
+            if status == KVPoll.Success and sender.holds_pages(self.bootstrap_room):
+                return KVPoll.Transferring  # its KV pages must stay until they are encoded
         return status
 
     def clear(self) -> None:

@@ -275,7 +275,9 @@ class Pair:
         return torch.randperm(ROWS // self.page_size, generator=gen)[:n_pages].numpy()
 
     def chunk(self, room: int, offer: Offer, pages: np.ndarray, last: bool) -> None:
+        """``add_chunk``, then ``pump`` as the server's poll of the request does."""
         self.sender.add_chunk(room, pages, last)
+        self.sender.pump()
 
     def send(self, room: int, offer: Offer, pages: np.ndarray, chunks: Sequence[int]) -> None:
         """``add_chunk`` for each run of ``chunks`` pages, the last one with last=True."""
@@ -534,6 +536,58 @@ def test_speculative_decodes_the_anchor_then_refines_in_place(pairs: Callable[..
     report = pair.receiver.forget(13)
     assert report is not None and report.residual_latency_s is not None and report.residual_latency_s >= 2.0
     assert pair.receiver.stats().buffer_used == 0
+
+
+def test_the_last_chunks_residual_waits_for_the_next_pump_its_anchor_does_not(
+    pairs: Callable[..., Pair],
+) -> None:
+    """Upstream sends the first token once add_chunk returns: the last chunk's Anchor goes
+    (with its stream's end) and decode may start, while its Residual is encoded on the
+    next pump (the server's next poll), its pages held till then."""
+    pair = pairs(mode="speculative", checksums=True)
+    offer = pair.offer(room=15)
+    pages = pair.pages(seed=15)
+    pair.sender.add_chunk(15, pages[:300], False)  # an earlier chunk's Residual goes at once
+    pair.sender.add_chunk(15, pages[300:], True)
+    assert pair.sender.holds_pages(15)
+    pair.wait_verdict(15, Verdict.READY)  # the whole Anchor landed
+    plan = RequestLayout(LAYOUT, pair.handshake.codec, N_TOKENS, Mode.SPECULATIVE)
+    src = page_slots(pages, pair.page_size)[:N_TOKENS]
+    counts = plan.residual_nbytes_in(encoded_space(pair, src, pair.handshake.codec)[1])
+    assert counts is not None
+    first = sum(n or 0 for seg, n in zip(plan.segments, counts, strict=True) if seg.end <= 300)
+    assert 0 < first < sum(n or 0 for n in counts)
+    assert pair.sender.stats().residual_bytes == first  # the first chunk's Residual, no more
+    wait_for(
+        lambda: bytes_written_into(pair, offer.residual_addr, offer.residual_nbytes) == first,
+        "the first chunk's Residual",
+    )
+    assert pair.receiver.residual_verdict(15)[0] is Verdict.WAIT
+
+    pair.sender.pump()
+    assert not pair.sender.holds_pages(15)
+    wait_for(lambda: pair.receiver.residual_verdict(15)[0] is Verdict.READY, "the Residual")
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.write_kv(15, dst) is True
+    assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(src))  # lossless: bit for bit
+
+
+def test_kv_changed_between_its_anchor_and_its_residual_fails_the_room(pairs: Callable[..., Pair]) -> None:
+    """A Residual codes the KV against the Anchor that left: if the pages changed in
+    between, prefill fails the request instead of sending bytes that decode wrong."""
+    pair = pairs(mode="speculative")
+    pair.offer(room=16)
+    pages = pair.pages(seed=16)
+    pair.sender.add_chunk(16, pages, True)
+    slot = int(page_slots(pages, pair.page_size)[5])
+    pair.prefill_k[3][slot] += 1.0
+    pair.sender.pump()
+    assert not pair.sender.holds_pages(16)
+    assert pair.failures and pair.failures[-1][0] == 16
+    assert "the KV changed after its Anchor left" in pair.failures[-1][1]
+    pair.wait_verdict(16, Verdict.READY)  # the Anchor that left is sound
+    wait_for(lambda: pair.receiver.residual_verdict(16)[0] is not Verdict.WAIT, "decode to hear")
+    assert pair.receiver.residual_verdict(16)[0] is Verdict.FAIL
 
 
 # ---- protected tokens --------------------------------------------------------------------------

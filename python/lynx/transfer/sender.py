@@ -216,6 +216,17 @@ class _GatedWrite:
 
 
 @dataclass
+class _ResidualWork:
+    """The unprotected segments of an encoded chunk whose Anchors left and whose Residuals
+    are still to be encoded (``slots``: the request's, from its first token), and whether
+    it is the request's last chunk (its LOW stream ends with it)."""
+
+    segments: list[Segment]
+    slots: torch.Tensor
+    last: bool
+
+
+@dataclass
 class _Room:
     room: int
     peer: str  # the decode engine's session id
@@ -237,6 +248,10 @@ class _Room:
     # begin_chunk -> the add_chunk that encodes its segments, oldest first: under upstream's
     # overlap scheduler a request's next chunk computes before its last one is added
     streams: deque[_LayerStream] = field(default_factory=deque)
+    # chunks whose Anchors left and whose Residuals are still to be encoded, oldest first
+    residuals: deque[_ResidualWork] = field(default_factory=deque)
+    # passes encoding its Residuals outside the lock: its space must not be freed meanwhile
+    encoding: int = 0
 
 
 @dataclass
@@ -574,14 +589,17 @@ class ProgressiveSender:
     # ---- scheduler thread -------------------------------------------------------------------
 
     def add_chunk(self, room: int, pages: np.ndarray, last: bool) -> None:
-        """Queue the request's next chunk (prefill page ids, in order) and pump. The room's
-        offer must have been accepted (:meth:`refusal` is None)."""
+        """Queue the request's next chunk (prefill page ids, in order) and pump. The
+        Residuals of a request's last chunk wait for the next :meth:`pump` (the server's
+        next poll of the request): the first token, which upstream sends once this returns,
+        and the Anchor stream's end, both on the first token's path, must not wait for
+        their encode. The room's offer must have been accepted (:meth:`refusal` is None)."""
         with self._lock:
             state = self._room_of(room)
             if state is None or state.closed:
                 return
             state.pending.append((page_slots(pages, self._page_size), last))
-        self.pump()
+        self.pump(residuals=not last)
 
     def _room_of(self, room: int) -> _Room | None:
         """(Lock held) The request's send state, made at its first chunk from its accepted
@@ -765,24 +783,28 @@ class ProgressiveSender:
             return False
         return status.bytes_done < status.bytes_submitted
 
-    def pump(self) -> None:
-        """Encode and send every queued chunk whose request has (or now gets) space."""
+    def pump(self, *, residuals: bool = True) -> None:
+        """Encode and send the Anchors of every queued chunk whose request has (or now gets)
+        space, then (``residuals``) every Residual queued behind its Anchors."""
         with self._lock:
             for state in list(self._rooms.values()):
                 if state.pending and not state.closed:
                     try:
                         if state.offset is None and not self._start(state):
-                            return  # first come, first served: later requests wait too
+                            break  # first come, first served: later requests wait too
                         self._encode_pending(state)
                     except Exception as exc:  # this room fails; the scheduler thread serves on
                         log.exception("Lynx: room %s: sending its KV failed", state.room)
                         self._fail(state.room, f"cannot send the KV of room {state.room}: {exc}")
+        if residuals:
+            self._encode_residuals()
 
     def holds_pages(self, room: int) -> bool:
-        """True while some of the request's chunks are not encoded yet."""
+        """True while some of the request's chunks are not encoded yet, Anchor or Residual
+        (:meth:`pump` encodes them)."""
         with self._lock:
             state = self._rooms.get(room)
-            return state is not None and not state.closed and bool(state.pending)
+            return state is not None and bool(state.pending or state.residuals)
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Stop the request's transfer (any thread); its space is reused once the engine
@@ -799,6 +821,7 @@ class ProgressiveSender:
                 self._end(room, state.offer.nonce)
                 state.closed = state.failed = True
                 state.pending.clear()
+                state.residuals.clear()
         if unwritten is not None:
             endpoint, nonce = unwritten
             self._send(endpoint, Notice(NoticeKind.RELEASED, room, nonce))
@@ -882,10 +905,15 @@ class ProgressiveSender:
         return True
 
     def _encode_pending(self, state: _Room) -> None:
+        """(Lock held) Encode the Anchors of the request's queued chunks and send them on the
+        HIGH lane, its last chunk's with the stream's end; each chunk's Residuals queue
+        behind (:meth:`_encode_residuals`). A protected segment travels whole on the Anchor
+        stream, so it is encoded here in full."""
         assert state.offset is not None
         plan = state.plan
-        submitted: list[tuple[Lane, list[tuple[int, int, int]], bool]] = []
-        checksums: dict[Stream, list[torch.Tensor]] = {stream: [] for stream in plan.streams}
+        sends_residual = Stream.RESIDUAL in plan.streams
+        submitted: list[tuple[list[tuple[int, int, int]], bool]] = []
+        checksums: list[torch.Tensor] = []
         while state.pending:
             slots, last = state.pending.popleft()
             state.slots.append(slots)
@@ -901,14 +929,13 @@ class ProgressiveSender:
             self._pass_gated_of(state.room)  # what left must be encoded before it is compared
             # the chunks that streamed, by their segments' starts
             streams = {seg.start: stream for stream in state.streams for seg in stream.segments}
-            # decode's address of each stream's region
-            regions = {Stream.ANCHOR: state.offer.anchor_addr, Stream.RESIDUAL: state.offer.residual_addr}
-            writes: dict[Stream, list[tuple[int, int, int]]] = {stream: [] for stream in plan.streams}
-            sent: list[list[tuple[Stream, slice]]] = []  # per ready segment
+            anchor_at = state.offer.anchor_addr - plan.region_offset(Stream.ANCHOR)
+            writes: list[tuple[int, int, int]] = []
+            sent: list[slice] = []  # each ready segment's bytes on the Anchor stream
+            behind: list[Segment] = []  # those whose Residual follows on its own stream
             try:
                 for seg in ready:
                     anchor, residual = plan.byte_ranges(seg)
-                    travels = seg.protected or Stream.RESIDUAL in plan.streams
                     stream_of = streams.get(seg.start)
                     layers_out = 0 if stream_of is None else stream_of.sent
                     # A streamed segment's Anchor is coded again aside, and must match what left.
@@ -919,7 +946,7 @@ class ProgressiveSender:
                         all_slots[seg.start : seg.end],
                         self.handshake.codec,
                         anchor_out,
-                        space[residual] if travels else None,  # anchor-only: no Residual to code
+                        space[residual] if seg.protected else None,
                     )
                     out = plan.anchor_layers(seg, 0, layers_out)
                     if stream_of is not None:
@@ -933,38 +960,101 @@ class ProgressiveSender:
                             )
                             return
                         space[out.stop : anchor.stop] = anchor_out[out.stop - anchor.start :]
-                    sent.append(plan.sent_ranges(seg, residual_nbytes if travels else None))
-                    for stream, span in sent[-1]:
-                        if stream is Stream.ANCHOR:  # what left layer by layer does not again
-                            span = slice(max(span.start, out.stop), span.stop)
-                            if span.start == span.stop:
-                                continue
-                        dst = regions[stream] + span.start - plan.region_offset(stream)
-                        writes[stream].append((space.data_ptr() + span.start, dst, span.stop - span.start))
+                    if sends_residual and not seg.protected:
+                        behind.append(seg)
+                    stream, span = plan.sent_ranges(seg, residual_nbytes if seg.protected else None)[0]
+                    assert stream is Stream.ANCHOR
+                    sent.append(span)
+                    start = max(span.start, out.stop)  # what left layer by layer does not again
+                    if start < span.stop:
+                        writes.append((space.data_ptr() + start, anchor_at + start, span.stop - start))
             except CodecError as exc:
                 self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
                 return
             if self.handshake.checksums:  # after the chunk's encode: interleaved with it, slower
-                for ranges in sent:
-                    for stream, span in ranges:
-                        checksums[stream].append(span_checksum(space[span]))
+                checksums.extend(span_checksum(space[span]) for span in sent)
             state.segments_sent += len(ready)
             state.streams = deque(stream for stream in state.streams if stream.unchecked)
-            for stream, stream_writes in writes.items():
-                if stream_writes or last:  # a chunk of protected segments only has no Residual
-                    submitted.append((_LANE_OF_STREAM[stream], stream_writes, last))
+            if writes or last:  # a chunk of streamed layers only has nothing left to send
+                submitted.append((writes, last))
+            if behind or (sends_residual and last):  # the stream ends even without bytes
+                state.residuals.append(_ResidualWork(behind, all_slots, last))
             if last:
                 state.closed = True
+        state.checksums[Stream.ANCHOR].extend(checksum_values(checksums))
         if not submitted:
             return
         if self._buffer.is_cuda:
             # The lanes read the buffer from another thread: the encode must be done.
             torch.cuda.current_stream(self._buffer.device).synchronize()
-        for stream, values in checksums.items():
-            state.checksums[stream].extend(checksum_values(values))
         now = time.monotonic()
-        for lane, writes, last in submitted:
-            self._dispatch(state.room, lane, writes, last, now)
+        for writes, last in submitted:
+            self._dispatch(state.room, Lane.HIGH, writes, last, now)
+
+    def _encode_residuals(self) -> None:
+        """Encode and send every queued Residual, oldest room and chunk first, on the LOW
+        lane (scheduler thread). The encode runs outside the lock (and the C++ codec outside
+        the GIL), so the lanes' driver reports the streams that settle meanwhile, the
+        Anchor's among them, and upstream's workers send the first token, without waiting
+        for it; ``encoding`` keeps the room's space from being freed under it."""
+        while True:
+            with self._lock:
+                state = next((s for s in self._rooms.values() if s.residuals and not s.failed), None)
+                if state is None:
+                    return
+                work = state.residuals.popleft()
+                state.encoding += 1
+            try:
+                self._encode_residual(state, work)
+            except Exception as exc:  # this room fails; the scheduler thread serves on
+                log.exception("Lynx: room %s: sending its Residual failed", state.room)
+                self._fail(state.room, f"cannot send the KV of room {state.room}: {exc}")
+            finally:
+                with self._lock:
+                    state.encoding -= 1
+
+    def _encode_residual(self, state: _Room, work: _ResidualWork) -> None:
+        """(Lock not held) Encode the Residuals of ``work``'s segments against the Anchors
+        that left for them, and send them (with the stream's end for the last chunk)."""
+        assert state.offset is not None
+        plan = state.plan
+        space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
+        residual_at = state.offer.residual_addr - plan.region_offset(Stream.RESIDUAL)
+        writes: list[tuple[int, int, int]] = []
+        sent: list[slice] = []
+        for seg in work.segments:
+            anchor, residual = plan.byte_ranges(seg)
+            anchor_again = torch.empty_like(space[anchor])
+            try:
+                residual_nbytes = encode_pages(
+                    self._k,
+                    self._v,
+                    work.slots[seg.start : seg.end],
+                    self.handshake.codec,
+                    anchor_again,
+                    space[residual],
+                )
+            except CodecError as exc:
+                self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
+                return
+            if not torch.equal(anchor_again, space[anchor]):  # a Residual codes against its Anchor
+                tokens = f"tokens [{seg.start}, {seg.end})"
+                self._fail(state.room, f"room {state.room}, {tokens}: the KV changed after its Anchor left")
+                return
+            stream, span = plan.sent_ranges(seg, residual_nbytes)[1]
+            assert stream is Stream.RESIDUAL
+            sent.append(span)
+            writes.append((space.data_ptr() + span.start, residual_at + span.start, span.stop - span.start))
+        if self._buffer.is_cuda:
+            torch.cuda.current_stream(self._buffer.device).synchronize()
+        checksums = (
+            checksum_values([span_checksum(space[span]) for span in sent]) if self.handshake.checksums else []
+        )
+        with self._lock:
+            if state.failed:
+                return
+            state.checksums[Stream.RESIDUAL].extend(checksums)
+            self._dispatch(state.room, Lane.LOW, writes, work.last, time.monotonic())
 
     @staticmethod
     def _streamed_differs(
@@ -1032,6 +1122,7 @@ class ProgressiveSender:
             if failed:  # the lanes fail every stream of the room: report it once
                 state.closed = state.failed = True
                 state.pending.clear()
+                state.residuals.clear()
                 self._end(room, state.offer.nonce)
             stream = _STREAM_OF_LANE[status.lane]
             checksums = tuple(state.checksums[stream]) if ok else ()
@@ -1073,6 +1164,10 @@ class ProgressiveSender:
             with self._lock:
                 candidates = list(self._releasing)
             for room in candidates:
+                with self._lock:
+                    state = self._rooms.get(room)
+                    if state is not None and state.encoding:
+                        continue  # aborted while its Residual encodes into its space
                 try:
                     self._lanes.release(str(room))
                 except LaneError:

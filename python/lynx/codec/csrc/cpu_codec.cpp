@@ -215,8 +215,13 @@ std::vector<torch::Tensor> huffman_codes(torch::Tensor counts) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_digest") = LYNX_STRINGIFY(LYNX_CODEC_DIGEST);
-  m.def("encode_rows", &encode_rows, "Encode parts rows[i][slots]; per part its Residual bytes, -1 if not finite");
-  m.def("decode_rows", &decode_rows, "Decode parts into rows[i][slots]; per part a residual fault code");
+  // The coders touch no Python object: other threads (the lanes' driver, upstream's
+  // transfer workers, the receiver) run while they work, e.g. while prefill encodes a
+  // request's Residuals after its Anchor and first token left.
+  m.def("encode_rows", &encode_rows, py::call_guard<py::gil_scoped_release>(),
+        "Encode parts rows[i][slots]; per part its Residual bytes, -1 if not finite");
+  m.def("decode_rows", &decode_rows, py::call_guard<py::gil_scoped_release>(),
+        "Decode parts into rows[i][slots]; per part a residual fault code");
   m.def("anchor_params_fault", &anchor_fault, "0, or why an anchor's minimums/scales are corrupt");
   m.def("huffman_codes", &huffman_codes, "Code lengths and canonical codes of each row of counts");
   m.def("reciprocal_division_mismatches", &lynx_codec::reciprocal_division_mismatches,
