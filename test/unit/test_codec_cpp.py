@@ -8,6 +8,9 @@ import platform
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -229,6 +232,63 @@ def test_segment_in_one_region_matches_reference_and_locates_non_finite(monkeypa
         messages.append(str(err.value))
     assert messages[0] == messages[1]
     assert "layer 1 values" in messages[1] and "slot 30" in messages[1]
+
+
+def test_other_threads_run_while_the_cpp_codec_codes(monkeypatch) -> None:
+    """encode_rows and decode_rows release the GIL: while prefill encodes a request's
+    Residuals, its lanes' driver and upstream's workers (Python threads) send the Anchor's
+    end and the first token. A thread that only notes the time every millisecond gets
+    turns inside each long call (none if the call held the GIL)."""
+    monkeypatch.setenv(backend.BACKEND_ENV, "cpp")
+    real = cpp_backend.module()
+    calls: dict[str, tuple[float, float]] = {}
+
+    def timed(name: str):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return getattr(real, name)(*args, **kwargs)
+            finally:
+                calls[name] = (start, time.perf_counter())
+
+        return call
+
+    names = ("encode_rows", "decode_rows")
+    proxy = SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+    for name in names:
+        setattr(proxy, name, timed(name))
+    monkeypatch.setattr(cpp_backend, "module", lambda: proxy)
+
+    config = CodecConfig()
+    layout = KVLayout(8, 4, 128, torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    k = [torch.randn(4096, 4, 128, generator=gen).to(torch.bfloat16) for _ in range(8)]
+    v = [torch.randn(4096, 4, 128, generator=gen).to(torch.bfloat16) for _ in range(8)]
+    slots = torch.arange(4096)
+    sizes = segment_nbytes(layout, slots.numel(), config)
+    anchor = torch.empty(sizes[0], dtype=torch.uint8)
+    residual = torch.empty(sizes[1], dtype=torch.uint8)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        encode_pages(k, v, slots, config, anchor, residual)
+        decode_pages(anchor, residual, k, v, slots, config)
+    finally:
+        stop.set()
+        ticker.join()
+    margin = 0.005  # a turn the switch interval gave the ticker at a call's edge is no proof
+    for name in names:
+        start, end = calls[name]
+        assert end - start > 4 * margin, f"{name} was too short to tell"
+        assert any(start + margin < t < end - margin for t in ticks), f"{name} held the GIL"
 
 
 def test_the_installed_module_loads_without_a_compiler(tmp_path) -> None:

@@ -4,9 +4,11 @@ the HIGH lane, the Residual on the LOW lane, to the space decode offered.
 The server's scheduler calls :meth:`ProgressiveSender.add_chunk` for each chunk of a
 request it would have sent as raw KV pages, and :meth:`pump` regularly; both run on the
 scheduler thread, which owns the KV pool. A chunk is encoded as soon as the request has
-send-buffer space; until then it waits (the request does not fail) and :meth:`holds_pages`
-tells the server not to free the request's KV pages. Once encoded, the bytes live in the
-send buffer and the KV pages are no longer needed.
+send-buffer space, its Anchors first and sent at once, then its Residuals (the last
+chunk's on the next :meth:`pump`, after upstream has the first token to send); until its
+last Residual is encoded (the request does not fail while it waits for space)
+:meth:`holds_pages` tells the server not to free the request's KV pages. Once encoded,
+the bytes live in the send buffer and the KV pages are no longer needed.
 
 Notices to decode (``ACCEPT``/``REJECT``/``LANDED``/``RELEASED``, see
 :mod:`lynx.transfer.protocol`) go through the ``notify`` callable the server provides;
