@@ -579,13 +579,13 @@ def test_kv_changed_between_its_anchor_and_its_residual_fails_the_room(pairs: Ca
     pair.offer(room=16)
     pages = pair.pages(seed=16)
     pair.sender.add_chunk(16, pages, True)
+    pair.wait_verdict(16, Verdict.READY)  # the Anchor that left is sound
     slot = int(page_slots(pages, pair.page_size)[5])
     pair.prefill_k[3][slot] += 1.0
     pair.sender.pump()
     assert not pair.sender.holds_pages(16)
     assert pair.failures and pair.failures[-1][0] == 16
     assert "the KV changed after its Anchor left" in pair.failures[-1][1]
-    pair.wait_verdict(16, Verdict.READY)  # the Anchor that left is sound
     wait_for(lambda: pair.receiver.residual_verdict(16)[0] is not Verdict.WAIT, "decode to hear")
     assert pair.receiver.residual_verdict(16)[0] is Verdict.FAIL
 
