@@ -21,8 +21,10 @@ through :mod:`lynx_patches.upstream`. The request's life (``lynx.verify.state``)
   batch (it keeps its KV) until its Residual lands.
 * every scheduler iteration, right after upstream's ``process_decode_queue`` (before the
   next batch is built), :meth:`SpeculativeDecoder.step` polls the Residuals and rewrites
-  the prompt KV of each that landed at full precision (the request decodes on until
-  every TP rank has, :func:`lynx.verify.agree`). For those refined on every rank: under
+  the prompt KV at full precision as far as each landed: the layers prefill reported
+  landed so far (the request decodes on, on the layers refined and the others' Anchor),
+  and every layer once the whole Residual did (the request decodes on until every TP
+  rank has, :func:`lynx.verify.agree`). For those refined on every rank: under
   the overlap loop, first process the step still in flight (one bubble per verification;
   a parked request's late token is held); take them out of the batch, run the verify
   pass over ``t_0..t_{k-1}`` of all of them (one decode row per held position: in decode
@@ -117,7 +119,8 @@ class Speculation:
     # samples a step before the previous step's token is held: two may be in flight.
     pending_probs: deque[torch.Tensor] = field(default_factory=deque)
     draft_bytes: int = 0  # what its held draft distributions take
-    refine_s: float | None = None  # how long refining its KV took, once it did
+    refine_s: float = 0.0  # how long refining its KV took so far
+    refined: bool = False  # every layer of its prompt KV is at full precision
     # Upstream's reasoning-token count after t_0 (upstream.reasoning_state): a commit
     # restores it and counts the committed tokens again.
     reasoning: tuple[Any, ...] = ()
@@ -330,10 +333,10 @@ class SpeculativeDecoder:
                 verdict, reason = Verdict.FAIL, None
             else:
                 verdict, reason = self.receiver.residual_verdict(room)
-                if verdict is Verdict.READY:
-                    verdict, reason = self._refine(req)
-                elif verdict is Verdict.FAIL:
+                if verdict is Verdict.FAIL:
                     reason = reason or "the Residual did not arrive"
+                else:
+                    verdict, reason = self._refine(req, landed=verdict is Verdict.READY)
             polled.append((req, verdict, reason))
         return polled
 
@@ -374,21 +377,25 @@ class SpeculativeDecoder:
             [(req, reason) for req, reason in failed if not req.finished()],
         )
 
-    def _refine(self, req: Any) -> tuple[Verdict, str | None]:
-        """The Residual landed: rewrite the request's prompt KV at full precision (once)."""
+    def _refine(self, req: Any, *, landed: bool) -> tuple[Verdict, str | None]:
+        """Rewrite the request's prompt KV at full precision as far as its Residual landed
+        (``landed``: all of it): READY once every layer is, else WAIT."""
         spec = self._spec(req)
-        if spec.refine_s is not None:
+        if spec.refined:
             return Verdict.READY, None
         started = time.monotonic()
         try:
-            if not self.receiver.write_kv(spec.room, spec.slots):
+            spec.refined = self.receiver.write_kv(spec.room, spec.slots)
+            if landed and not spec.refined:
                 raise RuntimeError("the Residual landed but the KV was not refined")
         except Exception as exc:  # corrupt bytes or a Lynx bug: this request fails, not the server
             logger.exception("Lynx: room %s: refining its KV failed", spec.room)
             return Verdict.FAIL, f"refining the received KV failed: {exc}"
-        spec.refine_s = time.monotonic() - started
-        self.stats.refine_seconds += spec.refine_s
-        return Verdict.READY, None
+        elapsed = time.monotonic() - started
+        spec.refine_s += elapsed
+        self.stats.refine_seconds += elapsed
+        # What landed while it waited is READY at the next poll, with the TP ranks' agreement.
+        return (Verdict.READY if landed else Verdict.WAIT), None
 
     def roll_back_for_retraction(self, scheduler: Any) -> None:
         """Upstream is about to retract every running and staged request and rebuild its
@@ -589,7 +596,7 @@ class SpeculativeDecoder:
             park_reason=park_reason,
             anchor_to_commit_s=time.monotonic() - spec.admitted_at,
             verify_s=verify_s if rows is not None else 0.0,
-            refine_s=spec.refine_s or 0.0,
+            refine_s=spec.refine_s,
         )
         self.stats.record(spec.report)
         if self.metrics is not None:

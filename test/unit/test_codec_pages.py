@@ -12,6 +12,7 @@ from lynx.codec import (
     encode,
     encode_pages,
     kv_layout_of,
+    residual_layer_ends,
     residual_nbytes_of,
     segment_nbytes,
 )
@@ -117,6 +118,38 @@ def test_a_segment_residual_holds_its_parts_bodies_and_only_those_bytes_travel(c
     alone = anchor.clone().fill_(0xAB)
     assert encode_pages(k, v, src, config, alone, None) == 0
     assert torch.equal(alone, anchor)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_landed_prefix_of_layers_decodes_on_its_own(config: CodecConfig) -> None:
+    """``residual_layer_ends`` cuts a segment's Residual into its layers' bytes, in order,
+    covering every travelling byte; with only the bytes up to layer ``l``'s end landed (the
+    rest of the space garbage), ``decode_pages(layers=range(a, l + 1))`` writes exactly those
+    layers' rows at full precision and leaves every other layer's rows as they were."""
+    k, v = _pool()
+    src = torch.tensor([5, 9, 2, 40, 41, 42, 7, 63, 0, 11, 12, 13, 30, 31, 32, 33, 34], dtype=torch.int64)
+    layout = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
+    _, anchor, residual = _staging(src.numel(), config)
+    used = encode_pages(k, v, src, config, anchor, residual)
+    ends = residual_layer_ends(residual, src.numel(), layout, config)
+    assert len(ends) == LAYERS and ends[-1] == used
+    assert all(a < b for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    for last in range(LAYERS):
+        landed = residual.clone()
+        landed[ends[last] :] = 0x5A  # not landed yet
+        dk, dv = _pool(seed=1)
+        decode_pages(anchor, None, dk, dv, src, config)
+        anchor_only = [t.clone() for t in dk + dv]
+        first = last // 2
+        decode_pages(anchor, landed, dk, dv, src, config, layers=range(first, last + 1))
+        for layer in range(LAYERS):
+            for pool, out, before in ((k, dk, anchor_only[:LAYERS]), (v, dv, anchor_only[LAYERS:])):
+                if first <= layer <= last and config.residual == "exact":
+                    assert torch.equal(out[layer][src], pool[layer][src])
+                elif not first <= layer <= last:
+                    assert torch.equal(out[layer], before[layer])
+    with pytest.raises(CodecInputError, match="layers"):
+        decode_pages(anchor, residual, *_pool(seed=1), src, config, layers=range(1, LAYERS + 1))
 
 
 def test_segments_of_one_request_start_key_blocks_at_their_first_token() -> None:

@@ -151,7 +151,7 @@ def test_single_stream_completes_after_last_submit_and_all_bytes(fake):
     assert lanes.status("r", Lane.HIGH).state is StreamState.OPEN
     fake.resolve(b2)
     status = lanes.wait("r", Lane.HIGH, timeout=5)
-    assert status == StreamStatus("r", Lane.HIGH, StreamState.DONE, 128 * KIB, 128 * KIB, None)
+    assert status == StreamStatus("r", Lane.HIGH, StreamState.DONE, 128 * KIB, 128 * KIB, None, 2)
     lanes.close()
     assert settled == [status]
     stats = lanes.stats()
@@ -179,6 +179,42 @@ def test_low_is_chunked_and_bounded_in_flight(fake):
     offsets = [(b.transfers[0].src - SRC, b.transfers[0].dst - DST) for b in fake.batches]
     assert offsets == [(i * 64 * KIB, i * 64 * KIB) for i in range(5)]
     lanes.close()
+
+
+def test_parts_land_in_submit_order_whatever_order_the_engine_lands_their_chunks(fake):
+    """A stream's parts (its submit calls with bytes) count as landed only with every
+    earlier one; on_progress reports each advance of an open stream, in order, and the
+    advance that settles it is the settle's alone (its last part needs no notice)."""
+    progress: list[StreamStatus] = []
+    lanes = LaneScheduler(
+        fake,
+        LaneConfig(low_chunk_s=None, low_chunk_bytes=64 * KIB, low_inflight=2, poll_max_s=1e-3),
+        on_progress=progress.append,
+    )
+    lanes.register_source(SRC, SRC_LEN)
+    grant(lanes, "r", 0, 1024 * KIB, lanes=[Lane.LOW])
+    lanes.submit("r", Lane.LOW, [(SRC, DST, 64 * KIB)], last=False)  # part 1: one chunk
+    lanes.submit("r", Lane.LOW, [(SRC + 64 * KIB, DST + 64 * KIB, 128 * KIB)], last=False)  # part 2: two
+    lanes.submit("r", Lane.LOW, [], last=False)  # no bytes: no part
+    lanes.submit("r", Lane.LOW, [(SRC + 192 * KIB, DST + 192 * KIB, 64 * KIB)], last=True)  # part 3
+    first, second = fake.wait_batches(2)
+    fake.resolve(second)  # part 2's first chunk lands before part 1's
+    third = fake.wait_batches(3)[2]  # part 2's second chunk takes the free slot
+    fake.let_driver_cycle(first)
+    assert lanes.status("r", Lane.LOW).parts_landed == 0 and not progress
+    fake.resolve(first)
+    fourth = fake.wait_batches(4)[3]
+    fake.let_driver_cycle(third)
+    assert [p.parts_landed for p in progress] == [1]
+    fake.resolve(third)
+    fake.let_driver_cycle(fourth)
+    assert [p.parts_landed for p in progress] == [1, 2]
+    assert all(p.state is StreamState.OPEN for p in progress)
+    fake.resolve(fourth)
+    status = lanes.wait("r", Lane.LOW, 5)
+    assert (status.state, status.parts_landed) == (StreamState.DONE, 3)
+    lanes.close()
+    assert [p.parts_landed for p in progress] == [1, 2]
 
 
 def test_high_goes_at_once_and_pauses_low_until_landed(fake):

@@ -38,8 +38,12 @@ class Receiver:
         return self.verdicts.get(room, (Verdict.WAIT, None))
 
     def write_kv(self, room: int, slots: torch.Tensor) -> bool:
-        self.written.append(room)
-        return True
+        """As the receiver: the whole Residual is written once it landed (the tests send
+        no LAYERS, so nothing is written before)."""
+        landed = self.residual_verdict(room)[0] is Verdict.READY
+        if landed:
+            self.written.append(room)
+        return landed
 
     def forget(self, room: int) -> RoomReport:
         self.forgotten.append(room)

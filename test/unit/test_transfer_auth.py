@@ -53,7 +53,7 @@ def test_a_keyed_pair_works_end_to_end_and_signs_every_message(pairs: Callable[.
     decodes_exactly(pair, 1, pages)
     pair.receiver.forget(1)
     pair.wait_released(1)
-    assert pair.kinds(1) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
+    assert pair.settling(1) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
     assert all(len(frames) == 4 for frames in pair.frames)  # each with its MAC
     assert pair.receiver.stats().dropped_notices == {}
     assert pair.sender.stats().dropped_offers == {}

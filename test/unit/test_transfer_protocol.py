@@ -67,7 +67,7 @@ NONCE_LE = "1817161514131211"
 
 
 def test_protocol_version_and_tag_are_pinned() -> None:
-    assert PROTOCOL_VERSION == 5
+    assert PROTOCOL_VERSION == 6
     assert CHECKSUM_BLOCK_WORDS == 1024
     assert TAG == b"LYNX1"
     assert SEGMENT_TOKENS == 256
@@ -75,7 +75,7 @@ def test_protocol_version_and_tag_are_pinned() -> None:
 
 def test_handshake_wire_bytes_are_pinned() -> None:
     assert HANDSHAKE.to_wire().hex() == (
-        "4c584853" "05" "00"  # b"LXHS", protocol v5, mode full
+        "4c584853" "06" "00"  # b"LXHS", protocol v6, mode full
         "00"  # flags: no checksums
         "00000000" "00000000"  # protect_first 0, protect_last 0
         "0000000000000000"  # key id: signs nothing
@@ -83,7 +83,7 @@ def test_handshake_wire_bytes_are_pinned() -> None:
         "4c584c" "03" "0400" "0200" "4000" "00"  # b"LXL" v3, 4 layers, 2 heads, head_dim 64, bf16
     )  # fmt: skip
     assert ODD.to_wire().hex() == (
-        "4c584853" "05" "01"  # anchor-only
+        "4c584853" "06" "01"  # anchor-only
         "01"  # flags: checksums
         "04000000" "2c010000"  # protect_first 4, protect_last 300
         "0102030405060708"  # key id
@@ -114,9 +114,10 @@ def test_handshake_round_trips(handshake: Handshake) -> None:
     [
         (lambda w: w[:5], "too short"),
         (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
-        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v5"),
-        (lambda w: w[:4] + bytes([4]) + w[5:], "protocol v4, this server v5"),
-        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v5"),  # any version's head
+        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v6"),
+        (lambda w: w[:4] + bytes([4]) + w[5:], "protocol v4, this server v6"),
+        (lambda w: w[:4] + bytes([5]) + w[5:], "protocol v5, this server v6"),
+        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v6"),  # any version's head
         (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
         (lambda w: w[:10], "10 bytes, too short"),  # truncated protection
         (lambda w: w[:6] + bytes([2]) + w[7:], "unknown Lynx handshake flags 0x02"),
@@ -247,14 +248,14 @@ def test_an_offer_of_another_version_is_named() -> None:
     codec_and_layout = CodecConfig().to_wire() + LAYOUT.to_wire()
     v2_handshake = b"LXHS" + bytes([2, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
     v2_offer = struct.pack("<H", 36) + v2_handshake + struct.pack("<QQQQQ", 64, 128, 192, 256, 10)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v5"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v6"):
         Offer.from_wire(v2_offer)
     # A v4 offer has the same body: its 37-byte handshake is named when it is parsed.
     v4_handshake = b"LXHS" + bytes([4, 0, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
     v4_offer = struct.pack("<H", 37) + v4_handshake + struct.pack("<QQQQQQ", 1, 64, 128, 192, 256, 10)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v5"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v6"):
         parse_handshake(Offer.from_wire(v4_offer).handshake)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v5"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v6"):
         Handshake.key_id_of(v4_handshake)
 
 
@@ -320,6 +321,11 @@ NOTICES: list[tuple[Notice, str]] = [
         RESERVATION_LE + "00" + "01" + "0c0b0a0000000000" + "02000000" + "04030201" + "ffffffff",
     ),
     (Notice(NoticeKind.RELEASED, ROOM, NONCE), RESERVATION_LE),
+    (
+        Notice(NoticeKind.LAYERS, ROOM, NONCE, layers=0x0102, first_layer=3, checksums=(0x01020304, 7)),
+        RESERVATION_LE + "0300" + "0201" + "02000000" + "04030201" + "07000000",
+    ),
+    (Notice(NoticeKind.LAYERS, ROOM, NONCE, layers=1), RESERVATION_LE + "0000" + "0100" + "00000000"),
 ]
 
 
@@ -357,6 +363,7 @@ def test_notice_kind_names_are_pinned() -> None:
         "REJECT": b"REJECT",
         "LANDED": b"LANDED",
         "RELEASED": b"RELEASED",
+        "LAYERS": b"LAYERS",
     }
     assert (int(Stream.ANCHOR), int(Stream.RESIDUAL)) == (0, 1)
 
@@ -379,6 +386,9 @@ def test_is_notice() -> None:
         ([b"LYNX1", b"ACCEPT", bytes(8)], "malformed Lynx ACCEPT"),
         ([b"LYNX1", b"REJECT", bytes(11)], "malformed Lynx REJECT"),
         ([b"LYNX1", b"LANDED", bytes(29)], "malformed Lynx LANDED"),
+        ([b"LYNX1", b"LAYERS", bytes(23)], "malformed Lynx LAYERS"),
+        ([b"LYNX1", b"LAYERS", bytes(25)], "malformed Lynx LAYERS"),  # a byte after its checksums
+        ([b"LYNX1", b"LAYERS", struct.pack("<QQHHI", 1, 2, 0, 1, 2) + bytes(4)], "malformed Lynx LAYERS"),
         (
             [b"LYNX1", b"LANDED", struct.pack("<QQBBQI", 1, 2, 2, 1, 0, 0)],
             "malformed Lynx LANDED",
@@ -618,7 +628,8 @@ def test_bytes_per_token_is_that_of_a_full_segment() -> None:
 
 
 def reference_checksum(data: bytes) -> int:
-    """The module docstring's definition, word by word."""
+    """The module docstring's definition, word by word (the last zero-padded)."""
+    data += bytes(-len(data) % 4)
     words = struct.unpack(f"<{len(data) // 4}I", data)
     return sum((2 * (i // CHECKSUM_BLOCK_WORDS) + 1) * w for i, w in enumerate(words)) % (1 << 32)
 
@@ -640,8 +651,10 @@ def test_span_checksum_is_pinned() -> None:
     assert checksum_of(torch.cat([torch.zeros(64, dtype=torch.uint8), span])[64:]) == 0x0CF2CC00
     assert checksum_of(torch.zeros(0, dtype=torch.uint8)) == 0
     assert checksum_values([]) == []
-    with pytest.raises(ValueError, match="whole number of 32-bit words"):
-        span_checksum(torch.zeros(18, dtype=torch.uint8))
+    # any range: one that does not start on a word, or ends inside one (a layer's bytes)
+    for start, end in ((1, 4096), (3, 4103), (0, 18), (2, 3)):
+        noise = torch.randint(0, 256, (end + 8,), dtype=torch.uint8, generator=gen)
+        assert checksum_of(noise[start:end]) == reference_checksum(noise[start:end].numpy().tobytes())
 
 
 def test_span_checksum_catches_changed_words_moved_blocks_and_stale_bytes() -> None:

@@ -201,6 +201,59 @@ def test_speculative_decodes_on_the_anchor_and_completes_on_the_residual() -> No
     assert t.state is S.COMPLETE
 
 
+SEGMENTS = len(plan("speculative").stream_ranges(Stream.RESIDUAL))
+
+
+def layers_landed(first: int, n: int, checksums: tuple[int, ...] | None = None) -> Notice:
+    """LAYERS of layers [first, n), with a checksum per layer and segment by default."""
+    if checksums is None:
+        checksums = tuple(range(100 * first, 100 * first + (n - first) * SEGMENTS))
+    return Notice(NoticeKind.LAYERS, 7, NONCE, layers=n, first_layer=first, checksums=checksums)
+
+
+def test_layers_notices_count_the_residual_layers_that_landed_until_it_all_did() -> None:
+    t = tracker("speculative")
+    t.on_notice(layers_landed(0, 1), PEER, now=0.8)  # may come before the Anchor's LANDED
+    t.on_notice(landed(Stream.ANCHOR, mode="speculative"), PEER, now=1.0)
+    t.on_notice(layers_landed(1, 3), PEER, now=1.1)
+    assert (t.residual_layers, t.state) == (3, S.ANCHOR_READY)
+    assert t.layer_checksums == [(0, 1), (100, 101), (102, 103)]  # per layer, one per segment
+    t.on_notice(landed(Stream.RESIDUAL, mode="speculative"), PEER, now=2.0)
+    assert (t.residual_layers, t.state) == (LAYOUT.num_layers, S.COMPLETE)
+
+
+OUT_OF_ORDER = "the Residual of layers [{}, {}) landed, after layers [0, {}) of 4 (LANDED says the last)"
+
+
+@pytest.mark.parametrize(
+    ("notices", "why"),
+    [
+        ([layers_landed(0, 0)], OUT_OF_ORDER.format(0, 0, 0)),
+        ([layers_landed(0, 4)], OUT_OF_ORDER.format(0, 4, 0)),
+        ([layers_landed(0, 9)], OUT_OF_ORDER.format(0, 9, 0)),
+        ([layers_landed(1, 2)], OUT_OF_ORDER.format(1, 2, 0)),
+        ([layers_landed(0, 2), layers_landed(0, 3)], OUT_OF_ORDER.format(0, 3, 2)),
+        ([layers_landed(0, 2, (1, 2, 3))], "layers [0, 2) landed with 3 checksums, this side wants 4"),
+    ],
+)
+def test_a_layers_notice_out_of_order_or_outside_the_request_fails_it(
+    notices: list[Notice], why: str
+) -> None:
+    t = tracker("speculative")
+    for notice in notices:
+        t.on_notice(notice, PEER, now=1.0)
+    assert (t.state, t.error) == (S.FAILED, f"prefill {PEER} reported {why}")
+
+
+def test_a_layers_notice_for_a_request_without_a_residual_fails_it() -> None:
+    t = tracker("anchor-only")
+    t.on_notice(layers_landed(0, 1, ()), PEER, now=1.0)
+    assert (t.state, t.error) == (
+        S.FAILED,
+        f"prefill {PEER} reported Residual layers landed, this request sends no Residual",
+    )
+
+
 @pytest.mark.parametrize("mode", ["full", "speculative"])
 def test_every_token_protected_completes_on_the_anchor(mode: Mode) -> None:
     handshake = Handshake(mode, CodecConfig(), LAYOUT, protect_first=200, protect_last=200, checksums=True)

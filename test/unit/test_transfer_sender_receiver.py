@@ -4,6 +4,7 @@ bytes between two CPU buffers: offer, encode, lanes, notices, decode, release.""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 import threading
 import time
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from lynx.codec import CodecConfig, KVLayout, decode, encode, encode_pages
+from lynx.codec import CodecConfig, KVLayout, decode, encode, encode_pages, residual_layer_ends
 from lynx.lanes import BatchState, LaneConfig, Transfer
 from lynx.mode import Mode
 from lynx.transfer import (
@@ -70,7 +71,8 @@ class FakeBatch:
 
 class CopyBackend:
     """Copies each batch with memmove when first polled after it may complete. ``fail_batch``:
-    that batch (0-based) fails instead; ``hold``: nothing completes while it is set.
+    that batch (0-based) fails instead; ``hold``: nothing completes while it is set;
+    ``lands``: while set, only a batch whose every transfer it passes completes.
     ``device_source``: a CUDA send buffer, whose bytes are read through the host."""
 
     session_id = "prefill:1"
@@ -84,6 +86,7 @@ class CopyBackend:
         self.batches: list[FakeBatch] = []
         self.registered: dict[int, int] = {}
         self.device_source: torch.Tensor | None = None
+        self.lands: Callable[[Transfer], bool] | None = None
 
     def probe(self, peer: str) -> bool:
         return peer == DECODE_SESSION
@@ -107,6 +110,9 @@ class CopyBackend:
             return BatchState.PENDING
         if handle.index == self.fail_batch:
             return BatchState.FAILED
+        lands = self.lands
+        if lands is not None and not all(lands(t) for t in handle.transfers):
+            return BatchState.PENDING
         if not handle.copied:
             for t in handle.transfers:
                 if self.device_source is None:
@@ -248,6 +254,23 @@ class Pair:
     def kinds(self, room: int) -> list[NoticeKind]:
         with self.lock:
             return [n.kind for n in self.notices if n.room == room]
+
+    def settling(self, room: int) -> list[NoticeKind]:
+        """The kinds of the room's notices but LAYERS, after checking those: as many as
+        the lanes' progress made (coalesced), each for more layers, fewer than all, and
+        all of them before the Residual's LANDED."""
+        with self.lock:
+            notices = [n for n in self.notices if n.room == room]
+        layers = [n.layers for n in notices if n.kind is NoticeKind.LAYERS]
+        assert layers == sorted(set(layers)) and all(0 < n < LAYERS for n in layers), layers
+        if layers:
+            residual_landed = next(
+                i
+                for i, n in enumerate(notices)
+                if n.kind is NoticeKind.LANDED and n.stream is Stream.RESIDUAL
+            )
+            assert all(n.kind is not NoticeKind.LAYERS for n in notices[residual_landed:])
+        return [n.kind for n in notices if n.kind is not NoticeKind.LAYERS]
 
     def reserve(self, room: int, n_tokens: int = N_TOKENS) -> Offer | None:
         """Decode takes the request and reserves its space (None: none is free)."""
@@ -453,7 +476,7 @@ def test_full_mode_decodes_the_codec_reconstruction(
     assert pair.receiver.stats().buffer_used == 0  # complete: no write can still arrive
 
     pair.wait_released(11)
-    assert pair.kinds(11) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
+    assert pair.settling(11) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
     segments = len(plan.segments) if checksums else 0  # one checksum per segment and stream, if on
     assert [len(n.checksums) for n in pair.notices if n.kind is NoticeKind.LANDED] == [segments, segments]
     wait_for(lambda: pair.sender.stats().rooms == 0, "the sender to forget the room")
@@ -474,7 +497,7 @@ def test_released_never_overtakes_a_landed_notice(pairs: Callable[..., Pair]) ->
     pair.send(21, offer, pair.pages(seed=20), [600])
     assert pair.wait_verdict(21, Verdict.READY) is None
     pair.wait_released(21)
-    assert pair.kinds(21) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
+    assert pair.settling(21) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
 
 
 def test_exact_residual_is_bit_exact_with_the_prefill_rows(pairs: Callable[..., Pair]) -> None:
@@ -570,6 +593,70 @@ def test_the_last_chunks_residual_waits_for_the_next_pump_its_anchor_does_not(
     dst = torch.arange(N_TOKENS)
     assert pair.receiver.write_kv(15, dst) is True
     assert_rows_equal(pair.decode_rows(dst), pair.prefill_rows(src))  # lossless: bit for bit
+
+
+def test_the_residual_lands_layer_by_layer_and_decode_refines_the_layers_that_landed(
+    pairs: Callable[..., Pair],
+) -> None:
+    """Prefill sends every segment's Residual of layer 0, then of layer 1, ...; once the
+    first layers landed, decode hears LAYERS and write_kv refines exactly those layers
+    (the others keep the Anchor's values); once the whole Residual landed, the rest."""
+    pair = pairs(mode="speculative", checksums=True)
+    offer = pair.offer(room=17)
+    pages = pair.pages(seed=17)
+    src = page_slots(pages, pair.page_size)[:N_TOKENS]
+    plan, space = encoded_space(pair, src, pair.handshake.codec)
+    residual_at = offer.residual_addr - plan.region_offset(Stream.RESIDUAL)
+    layer_of: list[tuple[int, int, int]] = []  # (first byte, end, layer) on decode's side
+    for seg in plan.segments:
+        residual = space[plan.byte_ranges(seg)[1]]
+        ends = residual_layer_ends(residual, seg.end - seg.start, LAYOUT, pair.handshake.codec)
+        start = residual_at + plan.byte_ranges(seg)[1].start
+        for layer, (first, end) in enumerate(itertools.pairwise([0, *ends])):
+            layer_of.append((start + first, start + end, layer))
+
+    def layer(t: Transfer) -> int | None:
+        return next((n for first, end, n in layer_of if first <= t.dst < end), None)
+
+    pair.backend.lands = lambda t: (layer(t) or 0) < 2  # the Anchor, and layers 0 and 1
+    pair.sender.add_chunk(17, pages, True)
+    pair.wait_verdict(17, Verdict.READY)
+    dst = torch.arange(N_TOKENS)
+    assert pair.receiver.write_kv(17, dst) is False  # the Anchor
+    pair.sender.pump()
+
+    def heard() -> list[int]:
+        with pair.lock:
+            return [n.layers for n in pair.notices if n.kind is NoticeKind.LAYERS]
+
+    wait_for(lambda: 2 in heard(), "LAYERS of 2 layers")
+    assert heard() in ([1, 2], [2])  # each part that lands, or both in one pass of the lanes
+    assert pair.receiver.residual_verdict(17)[0] is Verdict.WAIT
+    # a landed layer's bytes are checked against their own checksum before any row is written
+    first, end, _ = next(entry for entry in layer_of if entry[2] == 1)
+    byte = (first + end) // 2 - pair.receive_buffer.data_ptr()
+    pair.receive_buffer[byte] ^= 1
+    before = pair.decode_rows(dst)
+    with pytest.raises(ReceiveIntegrityError, match=r"Residual bytes of layer 1 of tokens \[0, 256\)"):
+        pair.receiver.write_kv(17, dst)
+    assert_rows_equal(pair.decode_rows(dst), before)
+    pair.receive_buffer[byte] ^= 1
+    assert pair.receiver.write_kv(17, dst) is False
+    exact = pair.prefill_rows(src)
+    anchor_only = reference_rows(exact, pair.handshake.codec, residual=False)
+    got = pair.decode_rows(dst)
+    assert_rows_equal(
+        got, tuple([*kind[:2], *anchor[2:]] for kind, anchor in zip(exact, anchor_only, strict=True))
+    )
+    assert pair.receiver.write_kv(17, dst) is False  # nothing new landed: nothing written
+
+    pair.backend.lands = None
+    wait_for(lambda: pair.receiver.residual_verdict(17)[0] is Verdict.READY, "the Residual")
+    assert pair.receiver.write_kv(17, dst) is True
+    assert_rows_equal(pair.decode_rows(dst), exact)  # lossless: bit for bit
+    pair.receiver.forget(17)
+    pair.wait_released(17)
+    assert pair.settling(17) == [NoticeKind.ACCEPT, NoticeKind.LANDED, NoticeKind.LANDED, NoticeKind.RELEASED]
 
 
 def test_kv_changed_between_its_anchor_and_its_residual_fails_the_room(pairs: Callable[..., Pair]) -> None:
@@ -932,7 +1019,7 @@ def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -
     bad_handshake = Offer(b"LXHS\x01\x00", 5, 64, 64, 128, 64, 1).to_wire()
     reason = pair.answer(9, bad_handshake)
     assert isinstance(reason, str) and reason.startswith("cannot read")
-    assert "peer speaks Lynx protocol v1, this server v5" in reason
+    assert "peer speaks Lynx protocol v1, this server v6" in reason
     assert [(n.kind, n.nonce) for n in pair.notices if n.room == 9] == [(NoticeKind.REJECT, 5)]
     reason = pair.answer(10, None)
     assert isinstance(reason, str) and "--lynx" in reason

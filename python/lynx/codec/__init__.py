@@ -4,7 +4,8 @@ Anchor; or the remaining bits of an INT8 code).
 
 Public API: ``CodecConfig``, ``encode``/``decode`` (tensors), ``KVLayout``,
 ``segment_nbytes``, ``encode_pages``/``decode_pages``/``check_pages`` (SGLang-style KV pool),
-``residual_nbytes_of`` (the travelling length of a segment's Residual), ``warm_up``
+``residual_nbytes_of`` (the travelling length of a segment's Residual), ``residual_layer_ends``
+(where each layer's bytes of it end), ``warm_up``
 (load the native codec before the first request; it names the ``CodecBackend`` that runs), the wire
 format (``WIRE_VERSION``, ``CodecConfig.to_wire``/``from_wire``, ``KVLayout.to_wire``)
 and the errors. The byte layout is documented in ``lynx.codec.format``.
@@ -27,6 +28,7 @@ from .pages import (
     encode_pages,
     enqueue_anchor_pages,
     kv_layout_of,
+    residual_layer_ends,
     residual_nbytes_of,
 )
 
@@ -46,6 +48,7 @@ __all__ = [
     "encode_pages",
     "enqueue_anchor_pages",
     "kv_layout_of",
+    "residual_layer_ends",
     "residual_nbytes_of",
     "segment_nbytes",
     "warm_up",

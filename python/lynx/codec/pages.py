@@ -223,6 +223,25 @@ def residual_nbytes_of(residual: torch.Tensor, n_tokens: int, layout: KVLayout, 
     return used
 
 
+def residual_layer_ends(
+    residual: torch.Tensor, n_tokens: int, layout: KVLayout, config: CodecConfig
+) -> list[int]:
+    """Where each layer's bytes of a segment's encoded Residual end (``residual`` is its
+    whole Residual space): layer ``l`` takes ``[ends[l - 1], ends[l])`` (layer 0 from byte
+    0, its head included), and the last layer ends where the Residual's travelling bytes
+    do (``residual_nbytes_of``), its padding included. So a landed prefix of layers can be
+    decoded on its own (``decode_pages(..., layers=...)``). CodecInputError if a
+    variable-length Residual's head is not a possible one."""
+    if not config.residual_is_variable:
+        return [
+            residual_range.stop
+            for _, kind, _, residual_range in _parts(layout, n_tokens, config)
+            if kind == "value"
+        ]
+    used, ends = _residual_head(residual, n_tokens, layout, config)
+    return [*ends[1:-1:2], used]
+
+
 def _residual_head(
     residual: torch.Tensor, n_tokens: int, layout: KVLayout, config: CodecConfig
 ) -> tuple[int, list[int]]:
@@ -260,11 +279,12 @@ def check_pages(
     v_buffers: Sequence[torch.Tensor],
     slots: torch.Tensor,
     config: CodecConfig,
+    layers: range | None = None,
 ) -> None:
     """What :func:`decode_pages` checks before it writes a row (sizes, every group's
-    minimum and scale, a lossless Residual's head), writing nothing: a caller decoding a
-    request's segments checks them all before it writes any."""
-    _checked_parts(anchor, residual, k_buffers, v_buffers, slots, config)
+    minimum and scale of ``layers``, a lossless Residual's head), writing nothing: a caller
+    decoding a request's segments checks them all before it writes any."""
+    _checked_parts(anchor, residual, k_buffers, v_buffers, slots, config, layers)
 
 
 def decode_pages(
@@ -274,15 +294,18 @@ def decode_pages(
     v_buffers: Sequence[torch.Tensor],
     slots: torch.Tensor,
     config: CodecConfig,
+    layers: range | None = None,
 ) -> None:
-    """Write the segment's reconstruction into the pool rows ``slots`` in place.
+    """Write the segment's reconstruction into the pool rows ``slots`` in place: of every
+    layer, or of ``layers`` only (the others' rows are not touched; a Residual needs only
+    its bytes up to those layers' end, ``residual_layer_ends``, and its head).
 
     ``residual=None``: Anchor-only values; with the Residual (the segment's whole Residual
     space, ``segment_nbytes`` long): full precision, bit-exact with ``residual="exact"``.
     Everything is validated before the first row is written: sizes and parameters first
     (:func:`check_pages`), a lossless Residual's every part as it decodes.
     """
-    layout, parts = _checked_parts(anchor, residual, k_buffers, v_buffers, slots, config)
+    layout, parts = _checked_parts(anchor, residual, k_buffers, v_buffers, slots, config, layers)
     if not parts:
         return
     buffers = {"key": k_buffers, "value": v_buffers}
@@ -304,10 +327,16 @@ def _checked_parts(
     v_buffers: Sequence[torch.Tensor],
     slots: torch.Tensor,
     config: CodecConfig,
+    layers: range | None = None,
 ) -> tuple[KVLayout, list[tuple[int, Kind, torch.Tensor, torch.Tensor | None, str]]]:
-    """The pool's layout and each part's (layer, kind, Anchor bytes, Residual body, name),
-    after checking everything that can be checked before decoding; no parts if no slots."""
+    """The pool's layout and each part's (layer, kind, Anchor bytes, Residual body, name)
+    of ``layers`` (None: all), after checking everything that can be checked before
+    decoding (a lossless Residual's whole head); no parts if no slots."""
     layout = _prepare(k_buffers, v_buffers, slots, config, anchor, residual)
+    if layers is not None and not (
+        0 <= layers.start <= layers.stop <= layout.num_layers and layers.step == 1
+    ):
+        raise CodecInputError(f"layers {layers} of a pool of {layout.num_layers}")
     n = slots.numel()
     parts = list(_parts(layout, n, config))
     if not n:
@@ -320,6 +349,7 @@ def _checked_parts(
     checked = [
         (layer, kind, anchor[anchor_range], body, f"layer {layer} {kind}s")
         for (layer, kind, anchor_range, _), body in zip(parts, bodies, strict=True)
+        if layers is None or layer in layers
     ]
     backend.check_parts_buffers(
         [(part_anchor, body, kind, where) for _, kind, part_anchor, body, where in checked],

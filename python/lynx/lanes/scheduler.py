@@ -32,6 +32,10 @@ and `SchedulerStats.driver_alive` says so, instead of transfers hanging silently
 Units of work: a *stream* is one request's bytes on one lane (the Anchor stream, the
 Residual stream). It may be fed by several `submit` calls (one per prefill chunk, say) and
 is done once the call marked `last=True` has been made and every byte submitted has landed.
+Each call that submits bytes is a *part* of its stream: the engine may land a stream's
+writes out of order (several chunks in flight), so `parts_landed` counts the parts whose
+every byte landed together with every earlier part's, and `on_progress` reports each
+advance of it that does not also settle the stream.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ class StreamStatus:
     bytes_submitted: int
     bytes_done: int
     error: str | None
+    parts_landed: int = 0  # submit calls with bytes, all landed with every earlier one
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,8 @@ class _Stream:
         self.state = StreamState.IDLE
         self.bytes_submitted = 0
         self.bytes_done = 0
+        self.unlanded: deque[_Item] = deque()  # its parts not wholly landed, oldest first
+        self.parts_landed = 0
         self.last_seen = False
         self.last_submit_at = 0.0
         self.error: str | None = None
@@ -174,7 +181,16 @@ class _Stream:
             self.bytes_submitted,
             self.bytes_done,
             self.error,
+            self.parts_landed,
         )
+
+    def count_landed_parts(self) -> bool:
+        """Count the parts at the head of :attr:`unlanded` that landed; whether any did."""
+        landed = self.parts_landed
+        while self.unlanded and not self.unlanded[0].remaining:
+            self.unlanded.popleft()
+            self.parts_landed += 1
+        return self.parts_landed > landed
 
 
 class _Request:
@@ -193,11 +209,13 @@ class _Request:
 
 @dataclass
 class _Item:
-    """The transfers of one `submit` call, waiting in a peer's lane queue."""
+    """The transfers of one `submit` call (a part of its stream), waiting in a peer's lane
+    queue; ``remaining``: its bytes not landed yet (queued or in the engine)."""
 
     stream: _Stream
     transfers: deque[Transfer]
     enqueued_at: float
+    remaining: int
 
 
 @dataclass
@@ -205,6 +223,7 @@ class _Chunk:
     """One batch handed to the engine; belongs to exactly one stream."""
 
     stream: _Stream
+    item: _Item  # the part it was cut from
     transfers: list[Transfer]
     nbytes: int
     handle: object = None  # set by the peer's submitter once the engine took the chunk
@@ -233,7 +252,8 @@ class LaneScheduler:
 
     `on_settled(status)` is called once per stream when it reaches a terminal state, from
     the driver thread, without the scheduler's lock held: keep it short (it delays the
-    lanes); it may call back into the scheduler.
+    lanes); it may call back into the scheduler. `on_progress(status)` likewise, when an
+    open stream's `parts_landed` advances (before its `on_settled`, in order).
     """
 
     def __init__(
@@ -241,10 +261,12 @@ class LaneScheduler:
         backend: TransferBackend,
         config: LaneConfig | None = None,
         on_settled: Callable[[StreamStatus], None] | None = None,
+        on_progress: Callable[[StreamStatus], None] | None = None,
     ) -> None:
         self._backend = backend
         self._config = config or LaneConfig()
         self._on_settled = on_settled
+        self._on_progress = on_progress
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # driver: new work or events
         self._settle = threading.Condition(self._lock)  # waiters: some stream settled
@@ -356,7 +378,9 @@ class LaneScheduler:
                 stream.last_seen = True
                 stream.last_submit_at = now
             if coalesced:
-                stream.request.peer.queues[stream.lane].append(_Item(stream, deque(coalesced), now))
+                item = _Item(stream, deque(coalesced), now, nbytes)
+                stream.unlanded.append(item)
+                stream.request.peer.queues[stream.lane].append(item)
                 self._wake.notify()
             elif last and stream.bytes_done == stream.bytes_submitted:
                 self._settle_stream(stream, StreamState.DONE, None, now)
@@ -711,12 +735,14 @@ class LaneScheduler:
             self._wake.notify()
 
     def _notify(self, status: StreamStatus) -> None:
-        if self._on_settled is None:
+        """Hand an event to its callback: a settled stream's, or an open one's progress."""
+        callback = self._on_settled if status.state in TERMINAL_STATES else self._on_progress
+        if callback is None:
             return
         try:
-            self._on_settled(status)
+            callback(status)
         except Exception:
-            log.exception("lanes on_settled callback raised for %s", status)
+            log.exception("lanes callback raised for %s", status)
 
     def _until_next_deadline(self, now: float) -> float | None:
         while self._deadlines and self._deadlines[0][2].settled():
@@ -807,7 +833,7 @@ class LaneScheduler:
         stream.request.peer.drain.started(now)
         stream.request.chunks_in_engine += 1
         self._recorders[stream.lane].queue_delays.append(now - item.enqueued_at)
-        return _Chunk(stream, transfers, sum(t.length for t in transfers))
+        return _Chunk(stream, item, transfers, sum(t.length for t in transfers))
 
     def _apply(self, resolved: list[tuple[_Chunk, BatchState]], now: float) -> None:
         landed: dict[_Peer, int] = {}
@@ -833,8 +859,12 @@ class LaneScheduler:
                 continue  # the request was aborted or failed while this write was in flight
             if state is BatchState.DONE:
                 stream.bytes_done += chunk.nbytes
+                chunk.item.remaining -= chunk.nbytes
+                progressed = stream.count_landed_parts()
                 if stream.last_seen and stream.bytes_done == stream.bytes_submitted:
                     self._settle_stream(stream, StreamState.DONE, None, now)
+                elif progressed and self._on_progress is not None:
+                    self._events.append(stream.status())
             else:
                 self._end_request(
                     request,

@@ -1,4 +1,4 @@
-"""Lynx's control messages between a prefill and a decode server (protocol v5).
+"""Lynx's control messages between a prefill and a decode server (protocol v6).
 
 SGLang's Mooncake connector already carries, over ZMQ, a per-request metadata message
 from decode to prefill (the room, decode's page ids, the aux slot) and status messages
@@ -12,9 +12,11 @@ from prefill to decode. Lynx adds:
   ACCEPT comes back);
 * **notices** from prefill to decode, each a message ``[TAG, kind, payload]`` on the same
   ZMQ endpoint as upstream's status messages: ``ACCEPT`` (prefill's handshake, it will
-  send Lynx bytes), ``REJECT`` (why it will not), ``LANDED`` (one stream of the request
-  has settled: every byte landed, or it failed) and ``RELEASED`` (prefill holds no more
-  writes in flight to the request's receive space, which decode may then reuse).
+  send Lynx bytes), ``REJECT`` (why it will not), ``LAYERS`` (the Residual of the
+  request's first layers has landed, so decode may refine them while the rest travels),
+  ``LANDED`` (one stream of the request has settled: every byte landed, or it failed) and
+  ``RELEASED`` (prefill holds no more writes in flight to the request's receive space,
+  which decode may then reuse).
 
 **Reservations.** A room (upstream's ``bootstrap_room``) names a request, but a room id is
 only as unique as the peers that chose it, and it is reused. So decode draws a random
@@ -27,7 +29,7 @@ room, and only when the offer's token count is its own.
 Every integer is little-endian. The layouts, pinned by ``test/unit/test_transfer_protocol.py``:
 
 =========  =====================================================================
-handshake  ``<4sBBBII8s`` magic ``b"LXHS"``, PROTOCOL_VERSION (5), mode code (0 full,
+handshake  ``<4sBBBII8s`` magic ``b"LXHS"``, PROTOCOL_VERSION (6), mode code (0 full,
            1 anchor-only, 2 speculative), flags (bit 0: checksums; any other bit set
            is refused), protect_first, protect_last (tokens), the id of the key the
            side signs with (``AuthKey.key_id``; 8 zero bytes: it signs nothing); then
@@ -38,6 +40,13 @@ offer      ``<H`` handshake length, handshake, ``<QQQQQQ`` nonce, anchor address
            stream travels), tokens; signed: then the MAC (32 bytes)
 ACCEPT     ``<QQ`` room, nonce, handshake
 REJECT     ``<QQ`` room, nonce, UTF-8 reason
+LAYERS     ``<QQHHI`` room, nonce, layers ``first`` and ``n`` (``first`` the previous
+           LAYERS' ``n``, 0 at first; first < n < the layout's layers), checksum
+           count ``c``; ``c`` x ``<I``: the Residual bytes of layers ``[0, n)`` of
+           every segment on the Residual stream have landed
+           (``lynx.codec.residual_layer_ends``), and these are the checksums of each
+           layer in ``[first, n)`` of each such segment, layer by layer (``c`` is 0
+           with checksums off); LANDED says the rest
 LANDED     ``<QQBBQI`` room, nonce, stream (0 Anchor, 1 Residual), ok (1/0), bytes
            landed, checksum count ``n``; ``n`` x ``<I`` the stream's segment checksums
            (below; ``n`` is 0 when ok is 0 or checksums are off); UTF-8 error
@@ -52,7 +61,10 @@ the MAC; a notice's are a fourth frame ``[TAG, kind, payload, MAC]``, over the k
 the payload (room, nonce and every field). A server with a key drops every message
 without its MAC; one without a key ignores a MAC, having nothing to check it with.
 
-v5 added the key id to the handshake and the signatures; v4 let a segment's Residual
+v6 added LAYERS: prefill sends the Residual stream layer by layer (each segment's first
+layer, then each one's next, ...; its earlier chunks' Residuals may go whole before that)
+and reports each prefix of layers that landed; v5 added the key id to the handshake and
+the signatures; v4 let a segment's Residual
 travel shorter than its space (the codec's lossless ``exact`` Residual, codec wire
 version 2): LANDED counts the bytes that travelled; v3
 added the nonce, the checksums and the handshake's flags byte; v2 added the
@@ -64,12 +76,13 @@ and mode lead the handshake in every version, so an older peer is refused by nam
 both sides must set alike). The bytes each segment puts on a stream (its Anchor; for a
 protected segment its Anchor and Residual, which sit back to back; an unprotected
 segment's Residual on the Residual stream) are one contiguous range, a multiple of 16
-bytes long. Its checksum, read as little-endian 32-bit words ``w_i``, is
-``sum((2 * (i // 1024) + 1) * w_i) mod 2**32``: a sum of 4 KiB blocks weighted by odd
-block numbers. Prefill computes it as it encodes, on the encoding device (torch ops, one
-pass over each chunk's newly encoded segments, before the lanes read them); decode
-checks every range before it decodes any into the KV pool. Strength: a change of one
-word is always caught (an odd weight times a non-zero difference is non-zero mod
+bytes long; a LAYERS notice's ranges (one layer's bytes of a segment's Residual) may have
+any length. A range's checksum, read from its first byte as little-endian 32-bit words
+``w_i`` (the last one zero-padded), is ``sum((2 * (i // 1024) + 1) * w_i) mod 2**32``: a
+sum of 4 KiB blocks weighted by odd block numbers. Prefill computes it as it encodes, on
+the encoding device (torch ops, one pass over each chunk's newly encoded segments, before
+the lanes read them); decode checks every range before it decodes any into the KV pool.
+Strength: a change of one word is always caught (an odd weight times a non-zero difference is non-zero mod
 2**32); random bytes, a stale range left by another request, a lost or repeated write,
 or 4 KiB blocks written at another block's offset pass with probability about 2**-32; a
 permutation of words inside one 4 KiB block passes. It is not a MAC: it catches
@@ -116,7 +129,7 @@ from lynx.codec.format import CONFIG_WIRE_NBYTES
 from lynx.mode import Mode
 from lynx.transfer.auth import KEY_ID_NBYTES, MAC_NBYTES, NO_KEY, AuthKey
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 TAG = b"LYNX1"
 SEGMENT_TOKENS = 256
 """Tokens per encoded segment: a multiple of every allowed ``key_block`` (<= 256)."""
@@ -139,6 +152,7 @@ _RESERVATION = struct.Struct("<QQ")  # room, nonce: the head of every notice
 _ROOM = struct.Struct("<Q")
 _OFFER_LABEL = b"OFFER"
 _LANDED = struct.Struct("<QQBBQI")
+_LAYERS = struct.Struct("<QQHHI")
 _CHECKSUM = struct.Struct("<I")
 
 
@@ -151,6 +165,7 @@ class NoticeKind(enum.Enum):
     REJECT = b"REJECT"
     LANDED = b"LANDED"
     RELEASED = b"RELEASED"
+    LAYERS = b"LAYERS"
 
 
 class Stream(enum.IntEnum):
@@ -392,7 +407,11 @@ class Notice:
     stream: Stream = Stream.ANCHOR  # LANDED
     ok: bool = True  # LANDED
     nbytes: int = 0  # LANDED
-    checksums: tuple[int, ...] = ()  # LANDED: span_checksum of each of the stream's segments
+    # LANDED: span_checksum of each of the stream's segments; LAYERS: of each segment's
+    # bytes of each layer it reports, layer by layer
+    checksums: tuple[int, ...] = ()
+    layers: int = 0  # LAYERS: the Residual of layers [0, layers) landed
+    first_layer: int = 0  # LAYERS: ... and its checksums are those of layers [first_layer, layers)
 
     def to_frames(self, key: AuthKey | None = None) -> list[bytes]:
         """The notice's frames, signed with ``key`` (a fourth frame) unless it is None."""
@@ -409,6 +428,9 @@ class Notice:
             )
             checksums = b"".join(_CHECKSUM.pack(c) for c in self.checksums)
             payload = landed + checksums + text
+        elif self.kind is NoticeKind.LAYERS:
+            layers = _LAYERS.pack(self.room, self.nonce, self.first_layer, self.layers, len(self.checksums))
+            payload = layers + b"".join(_CHECKSUM.pack(c) for c in self.checksums)
         else:
             payload = head
         frames = [TAG, self.kind.value, payload]
@@ -432,28 +454,23 @@ class Notice:
         return kind, room, nonce
 
     @classmethod
-    def from_frames(cls, frames: list[bytes], max_checksums: int | None = None) -> Notice:
-        """The whole notice. ``max_checksums``: the most checksums its reservation's plan
-        allows; a notice longer than :func:`notice_nbytes_max` of it, or a LANDED claiming
-        more, raises ProtocolError before any of its variable part is read."""
+    def from_frames(cls, frames: list[bytes], max_checksums: int | None = None, layers: int = 1) -> Notice:
+        """The whole notice. ``max_checksums``: the most checksums a LANDED of its
+        reservation's plan carries (its segments), a LAYERS ``layers`` times as many (its
+        layers); a notice longer than :func:`notice_nbytes_max` of that, or claiming more,
+        raises ProtocolError before any of its variable part is read."""
         kind, _, _ = cls.head_of(frames)
         payload = frames[2]
-        if max_checksums is not None and len(payload) > notice_nbytes_max(max_checksums):
+        most = None if max_checksums is None else max_checksums * (layers if kind is NoticeKind.LAYERS else 1)
+        if most is not None and len(payload) > notice_nbytes_max(most):
             raise ProtocolError(
-                f"a {kind.name} notice of {len(payload)} bytes, at most "
-                f"{notice_nbytes_max(max_checksums)} for this reservation"
+                f"a {kind.name} notice of {len(payload)} bytes, at most {notice_nbytes_max(most)} "
+                "for this reservation"
             )
         try:
             if kind is NoticeKind.LANDED:
                 room, nonce, stream, ok, nbytes, count = _LANDED.unpack_from(payload)
-                if max_checksums is not None and count > max_checksums:
-                    raise ProtocolError(
-                        f"a LANDED notice with {count} checksums, this request has {max_checksums} segments"
-                    )
-                end = _LANDED.size + count * _CHECKSUM.size
-                if len(payload) < end:
-                    raise struct.error("checksums beyond the payload")
-                checksums = tuple(c for (c,) in _CHECKSUM.iter_unpack(payload[_LANDED.size : end]))
+                checksums, end = _checksums_after(payload, _LANDED.size, count, most, kind)
                 text = payload[end:].decode()
                 return cls(
                     kind,
@@ -465,6 +482,12 @@ class Notice:
                     nbytes=nbytes,
                     checksums=checksums,
                 )
+            if kind is NoticeKind.LAYERS:
+                room, nonce, first, layers, count = _LAYERS.unpack_from(payload)
+                checksums, end = _checksums_after(payload, _LAYERS.size, count, most, kind)
+                if end != len(payload):
+                    raise struct.error("bytes after a LAYERS notice's checksums")
+                return cls(kind, room, nonce, layers=layers, first_layer=first, checksums=checksums)
             room, nonce = _RESERVATION.unpack_from(payload)
             rest = payload[_RESERVATION.size :]
         except ProtocolError:
@@ -476,6 +499,22 @@ class Notice:
         if kind is NoticeKind.REJECT:
             return cls(kind, room, nonce, text=rest.decode(errors="replace"))
         return cls(kind, room, nonce)
+
+
+def _checksums_after(
+    payload: bytes, at: int, count: int, max_checksums: int | None, kind: NoticeKind
+) -> tuple[tuple[int, ...], int]:
+    """The ``count`` checksums of a notice's payload from byte ``at``, and where they end;
+    ProtocolError for more than ``max_checksums``, struct.error beyond the payload."""
+    if max_checksums is not None and count > max_checksums:
+        what = "segments" if kind is NoticeKind.LANDED else "segments' layers"
+        raise ProtocolError(
+            f"a {kind.name} notice with {count} checksums, this request has {max_checksums} {what}"
+        )
+    end = at + count * _CHECKSUM.size
+    if len(payload) < end:
+        raise struct.error("checksums beyond the payload")
+    return tuple(c for (c,) in _CHECKSUM.iter_unpack(payload[at:end])), end
 
 
 def is_notice(frames: list[bytes]) -> bool:
@@ -493,7 +532,7 @@ def unsigned_reason(frames: list[bytes], key: AuthKey) -> str | None:
 
 def notice_nbytes_max(checksums: int) -> int:
     """The longest legal payload of a notice carrying at most ``checksums`` checksums."""
-    return _LANDED.size + checksums * _CHECKSUM.size + NOTICE_TEXT_MAX
+    return max(_LANDED.size, _LAYERS.size) + checksums * _CHECKSUM.size + NOTICE_TEXT_MAX
 
 
 @dataclass(frozen=True)
@@ -770,9 +809,12 @@ def _segment_lengths(start: int, end: int) -> list[tuple[int, int]]:
 def span_checksum(span: torch.Tensor) -> torch.Tensor:
     """The checksum of a range of bytes (module docstring), as a 0-dim int32 tensor on
     the range's device: torch ops only, no synchronisation. :func:`checksum_values`
-    turns a batch of them into the wire's u32 values."""
-    if span.numel() % 4:
-        raise ValueError(f"a checksummed range is a whole number of 32-bit words, got {span.numel()} bytes")
+    turns a batch of them into the wire's u32 values. A range that does not start on a
+    word or is not a whole number of words is read through a zero-padded copy."""
+    if span.numel() % 4 or span.storage_offset() % 4:
+        padded = torch.zeros(-(-span.numel() // 4) * 4, dtype=torch.uint8, device=span.device)
+        padded[: span.numel()] = span
+        span = padded
     words = span.view(torch.int32)
     blocks = words.numel() // CHECKSUM_BLOCK_WORDS
     whole = words[: blocks * CHECKSUM_BLOCK_WORDS].view(blocks, CHECKSUM_BLOCK_WORDS)

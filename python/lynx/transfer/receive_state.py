@@ -22,6 +22,8 @@ checksum per segment when
 the handshake says so (none otherwise). A
 request is READY (its bytes go into the KV pool) once upstream says ``Success`` and it
 reached ``ANCHOR_READY`` (modes that start on the Anchor) or ``COMPLETE`` (``full``).
+Before the Residual stream lands, ``LAYERS`` notices say how many of its first layers
+have (:attr:`ReceiveTracker.residual_layers`), so that they can be refined meanwhile.
 
 The tracker trusts that the notices it is given are this reservation's (the receiver
 drops any other); it checks what they say against the request's layout.
@@ -92,6 +94,10 @@ class ReceiveTracker:
     error: str | None = None
     landed: dict[Stream, int] = field(default_factory=dict)  # stream -> bytes
     checksums: dict[Stream, tuple[int, ...]] = field(default_factory=dict)  # stream -> one per segment
+    # the Residual of layers [0, residual_layers) landed, by LAYERS notices (LANDED: all)
+    residual_layers: int = 0
+    # per layer of those, the checksum of each Residual-stream segment's bytes of it
+    layer_checksums: list[tuple[int, ...]] = field(default_factory=list)
     offered_at: float | None = None
     landed_at: dict[Stream, float] = field(default_factory=dict)
     upstream_success_at: float | None = None
@@ -129,6 +135,15 @@ class ReceiveTracker:
             elif self.state is ReceiveState.OFFERED:
                 self.move(ReceiveState.ACCEPTED)
                 self._advance()  # a LANDED may have come first
+        elif notice.kind is NoticeKind.LAYERS:
+            wrong = self._layers_mismatch(notice)
+            if wrong is not None:
+                self.fail(f"prefill {peer} reported {wrong}")
+            elif Stream.RESIDUAL not in self.landed:
+                count = notice.layers - notice.first_layer
+                size = len(notice.checksums) // count
+                self.layer_checksums += [notice.checksums[i * size : (i + 1) * size] for i in range(count)]
+                self.residual_layers = notice.layers
         elif notice.kind is NoticeKind.LANDED:
             name = STREAM_NAMES[notice.stream]
             if not notice.ok:
@@ -141,7 +156,30 @@ class ReceiveTracker:
             self.landed[notice.stream] = notice.nbytes
             self.checksums[notice.stream] = notice.checksums
             self.landed_at[notice.stream] = now
+            if notice.stream is Stream.RESIDUAL:
+                self.residual_layers = self.plan.num_layers
             self._advance()
+
+    def _layers_mismatch(self, notice: Notice) -> str | None:
+        """How a LAYERS notice disagrees with the request's layout and what came before."""
+        layers = self.plan.num_layers
+        if Stream.RESIDUAL not in self.plan.streams:
+            return "Residual layers landed, this request sends no Residual"
+        if Stream.RESIDUAL in self.landed:
+            return None  # late: LANDED said all
+        if not (notice.first_layer == self.residual_layers < notice.layers < layers):
+            return (
+                f"the Residual of layers [{notice.first_layer}, {notice.layers}) landed, after layers "
+                f"[0, {self.residual_layers}) of {layers} (LANDED says the last)"
+            )
+        segments = len(self.plan.stream_ranges(Stream.RESIDUAL)) if self.local.checksums else 0
+        wanted = (notice.layers - notice.first_layer) * segments
+        if len(notice.checksums) != wanted:
+            return (
+                f"layers [{notice.first_layer}, {notice.layers}) landed with {len(notice.checksums)} "
+                f"checksums, this side wants {wanted}"
+            )
+        return None
 
     def _landed_mismatch(self, notice: Notice) -> str | None:
         """How a LANDED notice disagrees with the request's layout, or None."""

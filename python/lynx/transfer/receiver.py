@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lynx.codec import CodecInputError, check_pages, decode_pages
+from lynx.codec import CodecInputError, check_pages, decode_pages, residual_layer_ends
 from lynx.mode import Mode
 from lynx.transfer.arena import arena_over
 from lynx.transfer.auth import AuthKey, LogOncePerPeer
@@ -49,6 +49,7 @@ from lynx.transfer.protocol import (
     Offer,
     ProtocolError,
     RequestLayout,
+    Segment,
     Stream,
     append_offer,
     checksum_values,
@@ -98,7 +99,8 @@ class _Room:
     offset: int | None = None
     offer: Offer | None = None  # what the request's metadata message carries to prefill
     decoded: bool = False  # at least the Anchor is in the KV pages
-    refined: bool = False  # the Anchor and the Residual are
+    refined_layers: int = 0  # layers [0, refined_layers) hold Anchor and Residual
+    refined: bool = False  # every layer does
     released: bool = False  # prefill said no write to this space can still arrive
 
 
@@ -147,7 +149,9 @@ class ProgressiveReceiver:
         self._dropped: dict[str, int] = {}
         self._landed_bytes = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
         # No request that fits the buffer sends a longer notice: one is dropped unread.
-        self._notice_max = notice_nbytes_max(RequestLayout.most_segments(handshake, self._arena.capacity))
+        self._notice_max = notice_nbytes_max(
+            RequestLayout.most_segments(handshake, self._arena.capacity) * handshake.layout.num_layers
+        )
         self._oversized_logged = False
 
     @property
@@ -260,7 +264,7 @@ class ProgressiveReceiver:
                 tracker = state.tracker
                 checksums = len(state.plan.segments) if self.handshake.checksums else 0
                 try:
-                    notice = Notice.from_frames(frames, checksums)
+                    notice = Notice.from_frames(frames, checksums, state.plan.num_layers)
                 except ProtocolError as exc:  # its nonce says it is prefill's: the request fails
                     tracker.fail(f"prefill {state.peer} sent a Lynx notice this server cannot read: {exc}")
                     return
@@ -331,36 +335,48 @@ class ProgressiveReceiver:
     def write_kv(self, room: int, slots: torch.Tensor) -> bool:
         """Write the landed bytes into the request's KV rows ``slots``: the Anchor, or
         Anchor and Residual once both landed; protected tokens (``RequestLayout``) at full
-        precision from the start. Speculative mode calls it again after the Residual
-        landed, which rewrites the unprotected rows at full precision. Returns whether
-        every row now holds its full-precision (Anchor + Residual) value. Raises
-        ReceiveIntegrityError, before any row is written, if the bytes to decode are not
-        the ones prefill checksummed (with checksums on; the Anchor's again when the
-        refinement re-reads it), not as many as landed, or hold a corrupt size or group
-        parameter (any segment's); and for a segment whose lossless Residual does not
-        decode (a corrupt code, a non-finite word), before any row of that segment is
-        written (earlier segments then hold their exact values, the request fails)."""
+        precision from the start. Speculative mode calls it again as the Residual lands:
+        each call rewrites the unprotected rows of the layers whose Residual landed since
+        the last (``LAYERS`` notices), at full precision, and once the whole Residual
+        landed those of every layer left. A call with nothing new to write writes
+        nothing. Returns whether every row now holds its full-precision (Anchor +
+        Residual) value.
+
+        Raises ReceiveIntegrityError, before any row is written, if the bytes to decode
+        are not the ones prefill checksummed (with checksums on), not as many as landed,
+        or hold a corrupt size or group parameter (any segment's); and for a segment whose
+        lossless Residual does not decode (a corrupt code, a non-finite word), before any
+        row of that segment is written (earlier segments then hold their exact values, the
+        request fails). The Anchor stream is checked at its decode and again with the
+        whole Residual stream once it landed; each layer a ``LAYERS`` notice reported is
+        checked (its own checksum in each segment) before its rows are refined."""
         with self._lock:
             state = self._rooms[room]
             plan, offset = state.plan, state.offset
             assert offset is not None
-            landed = Stream.RESIDUAL in plan.streams and state.tracker.state is ReceiveState.COMPLETE
-            if state.refined or (state.decoded and not landed):
+            complete = Stream.RESIDUAL in plan.streams and state.tracker.state is ReceiveState.COMPLETE
+            landed_layers = state.tracker.residual_layers if Stream.RESIDUAL in plan.streams else 0
+            if state.refined or (state.decoded and landed_layers <= state.refined_layers):
                 return state.refined
             rewrite = state.decoded
+            first = state.refined_layers
             checksums = dict(state.tracker.checksums)
+            layer_checksums = list(state.tracker.layer_checksums)
             landed_nbytes = dict(state.tracker.landed)
         if slots.numel() != plan.n_tokens:
             raise ValueError(f"room {room}: {slots.numel()} KV slots for {plan.n_tokens} tokens")
         slots = slots.to(self._k[0].device)
         space = self._buffer[offset : offset + plan.receive_nbytes]
-        # The Anchor stream is read at every write, the refinement included (a write into
-        # the space since the first check must not reach the KV), the Residual stream once
-        # it landed.
-        streams = [stream for stream in plan.streams if stream is Stream.ANCHOR or landed]
-        self._check_landed(room, plan, space, streams, checksums, landed_nbytes)
+        if complete or not rewrite:
+            # The Anchor stream is read at its decode and again with the whole Residual
+            # (a write into the space since the first check must not reach the KV).
+            streams = [stream for stream in plan.streams if stream is Stream.ANCHOR or complete]
+            self._check_landed(room, plan, space, streams, checksums, landed_nbytes)
+        elif self.handshake.checksums:
+            self._check_layers(room, plan, space, range(first, landed_layers), layer_checksums)
         # Protected segments are at full precision since the Anchor landed.
         segments = [seg for seg in plan.segments if not (seg.protected and rewrite)]
+        layers = range(first, plan.num_layers if complete else landed_layers) if rewrite else None
         # Every segment's sizes and parameters first (with checksums off nothing else
         # vouches for them), then the rows: a corrupt one leaves none of them written.
         for write in (check_pages, decode_pages):
@@ -369,20 +385,55 @@ class ProgressiveReceiver:
                 try:
                     write(
                         space[anchor_bytes],
-                        space[residual_bytes] if seg.protected or landed else None,
+                        space[residual_bytes] if seg.protected or complete or rewrite else None,
                         self._k,
                         self._v,
                         slots[seg.start : seg.end],
                         self.handshake.codec,
+                        layers,
                     )
                 except CodecInputError as exc:  # nothing of this segment written
                     where = f"room {room}, tokens [{seg.start}, {seg.end})"
                     raise ReceiveIntegrityError(f"{where}: {exc}") from exc
-        refined = landed or plan.protects_all
         with self._lock:
             state.decoded = True
-            state.refined = refined
-        return refined
+            if complete:
+                state.refined_layers = plan.num_layers
+            elif rewrite:
+                state.refined_layers = landed_layers
+            state.refined = complete or plan.protects_all
+        return state.refined
+
+    def _check_layers(
+        self,
+        room: int,
+        plan: RequestLayout,
+        space: torch.Tensor,
+        layers: range,
+        checksums: list[tuple[int, ...]],
+    ) -> None:
+        """Raise ReceiveIntegrityError unless each Residual-stream segment's bytes of each
+        of ``layers`` hold prefill's checksum of them (``checksums[layer][segment]``)."""
+        spans: list[tuple[Segment, int, int, torch.Tensor]] = []  # (segment, its index, layer, bytes)
+        for index, (seg, _) in enumerate(plan.stream_ranges(Stream.RESIDUAL)):
+            residual = space[plan.byte_ranges(seg)[1]]
+            try:
+                ends = residual_layer_ends(
+                    residual, seg.end - seg.start, self.handshake.layout, self.handshake.codec
+                )
+            except CodecInputError as exc:
+                raise ReceiveIntegrityError(f"room {room}, tokens [{seg.start}, {seg.end}): {exc}") from exc
+            starts = [0, *ends]
+            spans += [(seg, index, layer, residual[starts[layer] : ends[layer]]) for layer in layers]
+        mine = checksum_values([span_checksum(span) for *_, span in spans])
+        for (seg, index, layer, _), got in zip(spans, mine, strict=True):
+            sent = checksums[layer][index]
+            if got != sent:
+                raise ReceiveIntegrityError(
+                    f"room {room}: the Residual bytes of layer {layer} of tokens [{seg.start}, {seg.end}) "
+                    f"do not match prefill's checksum ({got:#010x}, prefill sent {sent:#010x}): they were "
+                    "corrupted, or are not this request's"
+                )
 
     def _check_landed(
         self,

@@ -10,9 +10,15 @@ last Residual is encoded (the request does not fail while it waits for space)
 :meth:`holds_pages` tells the server not to free the request's KV pages. Once encoded,
 the bytes live in the send buffer and the KV pages are no longer needed.
 
-Notices to decode (``ACCEPT``/``REJECT``/``LANDED``/``RELEASED``, see
+A chunk's Residuals leave layer by layer: every segment's bytes of its first layer, then
+of its next (:func:`lynx.codec.residual_layer_ends`), each layer one part of the LOW
+stream; as the last chunk's layers land, in order, decode hears ``LAYERS`` and may refine
+them while the rest travels.
+
+Notices to decode (``ACCEPT``/``REJECT``/``LAYERS``/``LANDED``/``RELEASED``, see
 :mod:`lynx.transfer.protocol`) go through the ``notify`` callable the server provides;
-``LANDED`` is sent from the lanes' driver thread when a stream settles, ``RELEASED`` from
+``LAYERS`` and ``LANDED`` are sent from the lanes' driver thread as a stream's parts land
+and when it settles, ``RELEASED`` from
 this object's reaper thread once the engine holds no more of the request's writes (only
 then is its send-buffer space reused and decode told it may reuse its receive space).
 The reaper thread also submits writes held back on purpose (``hold_s``).
@@ -35,6 +41,7 @@ room's request, if it comes, fails saying so.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -45,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lynx.codec import CodecError, encode_pages, enqueue_anchor_pages
+from lynx.codec import CodecError, encode_pages, enqueue_anchor_pages, residual_layer_ends
 from lynx.lanes import (
     AddressError,
     AddressRanges,
@@ -254,6 +261,14 @@ class _Room:
     residuals: deque[_ResidualWork] = field(default_factory=deque)
     # passes encoding its Residuals outside the lock: its space must not be freed meanwhile
     encoding: int = 0
+    residual_parts: int = 0  # parts (submits with bytes) of its LOW stream so far
+    # (parts, layers): once the LOW stream's first ``parts`` parts landed, the Residual of
+    # layers [0, layers) of every segment has (the last chunk's layers, in order)
+    layer_marks: deque[tuple[int, int]] = field(default_factory=deque)
+    layers_noticed: int = 0  # the layers decode heard of in LAYERS
+    # per layer, span_checksum of each encoded segment's Residual bytes of it, in segment
+    # order (empty without the handshake's checksums flag)
+    layer_checksums: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -344,7 +359,9 @@ class ProgressiveSender:
         self._gated: deque[_GatedWrite] = deque()
         self._gate_wakes = threading.Condition(self._lock)
         self._gate: threading.Thread | None = None
-        self._lanes = LaneScheduler(backend, lane_config, on_settled=self._on_settled)
+        self._lanes = LaneScheduler(
+            backend, lane_config, on_settled=self._on_settled, on_progress=self._on_progress
+        )
         self._lanes.register_source(buffer.data_ptr(), buffer.numel())
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="lynx-sender-reaper", daemon=True)
@@ -1017,12 +1034,13 @@ class ProgressiveSender:
 
     def _encode_residual(self, state: _Room, work: _ResidualWork) -> None:
         """(Lock not held) Encode the Residuals of ``work``'s segments against the Anchors
-        that left for them, and send them (with the stream's end for the last chunk)."""
+        that left for them, and send them layer by layer, one LOW part a layer (with the
+        stream's end for the last chunk, whose layers are marked for ``LAYERS``)."""
         assert state.offset is not None
         plan = state.plan
         space = self._buffer[state.offset : state.offset + plan.encoded_nbytes]
         residual_at = state.offer.residual_addr - plan.region_offset(Stream.RESIDUAL)
-        writes: list[tuple[int, int, int]] = []
+        layers: list[list[tuple[int, int, int]]] = [[] for _ in range(plan.num_layers)]
         sent: list[slice] = []
         for seg in work.segments:
             anchor, residual = plan.byte_ranges(seg)
@@ -1036,6 +1054,9 @@ class ProgressiveSender:
                     anchor_again,
                     space[residual],
                 )
+                ends = residual_layer_ends(
+                    space[residual], seg.end - seg.start, self.handshake.layout, self.handshake.codec
+                )
             except CodecError as exc:
                 self._fail(state.room, f"cannot encode the KV of room {state.room}: {exc}")
                 return
@@ -1046,17 +1067,36 @@ class ProgressiveSender:
             stream, span = plan.sent_ranges(seg, residual_nbytes)[1]
             assert stream is Stream.RESIDUAL
             sent.append(span)
-            writes.append((space.data_ptr() + span.start, residual_at + span.start, span.stop - span.start))
+            for layer, (start, stop) in enumerate(itertools.pairwise([0, *ends])):
+                at = span.start + start
+                layers[layer].append((space.data_ptr() + at, residual_at + at, stop - start))
         if self._buffer.is_cuda:
             torch.cuda.current_stream(self._buffer.device).synchronize()
-        checksums = (
-            checksum_values([span_checksum(space[span]) for span in sent]) if self.handshake.checksums else []
-        )
+        checksums: list[int] = []
+        by_layer: list[list[int]] = [[] for _ in layers]
+        if self.handshake.checksums:
+            checksums = checksum_values([span_checksum(space[span]) for span in sent])
+            parts = [(src - space.data_ptr(), n) for writes in layers for src, _, n in writes]
+            values = iter(checksum_values([span_checksum(space[at : at + n]) for at, n in parts]))
+            by_layer = [[next(values) for _ in writes] for writes in layers]
         with self._lock:
             if state.failed:
                 return
             state.checksums[Stream.RESIDUAL].extend(checksums)
-            self._dispatch(state.room, Lane.LOW, writes, work.last, time.monotonic())
+            if not state.layer_checksums:
+                state.layer_checksums = [[] for _ in layers]
+            for mine, more in zip(state.layer_checksums, by_layer, strict=True):
+                mine.extend(more)
+            now = time.monotonic()
+            if not work.segments:  # the stream ends without bytes
+                self._dispatch(state.room, Lane.LOW, [], work.last, now)
+                return
+            for layer, writes in enumerate(layers, start=1):
+                last_layer = layer == plan.num_layers
+                self._dispatch(state.room, Lane.LOW, writes, work.last and last_layer, now)
+                state.residual_parts += 1
+                if work.last and not last_layer:  # the last layer's landing is LANDED's
+                    state.layer_marks.append((state.residual_parts, layer))
 
     @staticmethod
     def _streamed_differs(
@@ -1109,6 +1149,33 @@ class ProgressiveSender:
         log.error("Lynx: room %s failed: %s", room, reason)
         self.abort(room, reason)
         self._on_failure(room, reason)
+
+    def _on_progress(self, status: StreamStatus) -> None:  # lanes driver thread
+        """Parts of a LOW stream landed: tell decode the layers whose Residual now has."""
+        if status.lane is not Lane.LOW:
+            return
+        room = int(status.request_id)
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None or state.failed:
+                return
+            first = layers = state.layers_noticed
+            while state.layer_marks and state.layer_marks[0][0] <= status.parts_landed:
+                layers = state.layer_marks.popleft()[1]
+            if layers == first:
+                return
+            state.layers_noticed = layers
+            checksums = tuple(c for layer in state.layer_checksums[first:layers] for c in layer)
+            notice = Notice(
+                NoticeKind.LAYERS,
+                room,
+                state.offer.nonce,
+                layers=layers,
+                first_layer=first,
+                checksums=checksums,
+            )
+            endpoint = state.endpoint
+        self._send(endpoint, notice)
 
     def _on_settled(self, status: StreamStatus) -> None:  # lanes driver thread
         room = int(status.request_id)
