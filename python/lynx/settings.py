@@ -104,16 +104,21 @@ class LynxSettings:
     # How the verify pass runs the held rows (decode only, not paired): "steps", one
     # decode forward per held position, each row computed by the kernels of the decode
     # step that would have produced it (its logits and KV bit for bit, whatever the
-    # kernels; about one decode step per held token), or "batched", every held row in ONE
+    # kernels; about one decode step per held token); "layers", the same calls, but a
+    # parked request's rows run through each layer as its Residual lands (layer by layer,
+    # every row through a layer before the next), so that little is left once it all
+    # did (TP 1 and the models lynx_patches.upstream.layerwise_unsupported knows; else
+    # "steps"); or "batched", every held row in ONE
     # forward (~3 decode steps on the CPU backend; its products and attention round
     # differently from a decode step's unless the kernels are batch-invariant, so in BF16
     # a near-tie can break the other way: opt-in).
-    verify_pass: str = "steps"
+    verify_pass: str = "layers"
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
     buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once
-    # Hold every Anchor / Residual write this long before sending it: a slower link on
-    # demand, for tests, demos and fault drills. 0 in production.
+    # Hold every Anchor / Residual write this long before sending it (a chunk's Residual
+    # layer l of L: l / L of it, as a slow link would land them): a slower link on demand,
+    # for tests, demos and fault drills. 0 in production.
     anchor_hold_s: float = 0.0
     residual_hold_s: float = 0.0
     # Prefill, not paired (the bytes on the wire are the same): a request of at least this
@@ -250,7 +255,7 @@ def flag_of(field: str) -> str:
     return "--lynx-" + field.removesuffix("_s").replace("_", "-")
 
 
-VERIFY_PASSES = ("steps", "batched")
+VERIFY_PASSES = ("layers", "steps", "batched")
 
 _SIZE_UNITS = {
     "": 1,

@@ -72,9 +72,12 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     ),
     "verify_pass": (
         str,
-        "Decode: how the verify pass runs the held tokens: steps (one decode forward per held "
-        "position, the decode path's logits and KV bit for bit) or batched (all in one forward, "
-        "~3 decode steps; equal to rounding unless the kernels are batch-invariant: opt-in).",
+        "Decode: how the verify pass runs the held tokens: layers (as steps, but a parked "
+        "request's rows run through each layer as its Residual lands; where the model or TP "
+        "does not allow it, steps), steps (one decode forward per held position once the "
+        "Residual landed, the decode path's logits and KV bit for bit) or batched (all in one "
+        "forward, ~3 decode steps; equal to rounding unless the kernels are batch-invariant: "
+        "opt-in).",
     ),
     "lane_chunk_bytes": (settings.parse_size, "Residual chunk size on the low-priority lane (e.g. 1MiB)."),
     "transfer_deadline_s": (float, "Seconds a request's KV transfer may take before it fails."),
@@ -84,7 +87,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
         "0: room for every KV pool row at once.",
     ),
     "anchor_hold_s": (float, "Prefill: hold each Anchor write this many seconds (emulates a slow link)."),
-    "residual_hold_s": (float, "Prefill: hold each Residual write this many seconds (emulates a slow link)."),
+    "residual_hold_s": (
+        float,
+        "Prefill: hold each chunk's Residual this many seconds, its layers leaving spread over "
+        "them (emulates a slow link).",
+    ),
     "layerwise_from": (
         int,
         "Prefill: a request of at least this many tokens sends each chunk's Anchor layer by "

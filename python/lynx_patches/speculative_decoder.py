@@ -60,7 +60,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -121,6 +121,11 @@ class Speculation:
     draft_bytes: int = 0  # what its held draft distributions take
     refine_s: float = 0.0  # how long refining its KV took so far
     refined: bool = False  # every layer of its prompt KV is at full precision
+    # Parked, with ``--lynx-verify-pass layers``: its held rows, run through each layer as
+    # it is refined (:meth:`SpeculativeDecoder._verify_ahead`), and the time that took
+    layerwise: upstream.LayerwiseRows | None = None
+    verify_ahead_s: float = 0.0
+    layers_ahead: int = 0  # the layers its rows had gone through when its Residual landed
     # Upstream's reasoning-token count after t_0 (upstream.reasoning_state): a commit
     # restores it and counts the committed tokens again.
     reasoning: tuple[Any, ...] = ()
@@ -142,6 +147,7 @@ class SpeculativeDecoder:
         *,
         tolerance: float = 0.0,
         verify_in_steps: bool = True,
+        verify_ahead: bool = False,
         draft_memory_bytes: int = 256 << 20,
         seed: int | None = None,
         overlap: bool = False,
@@ -161,6 +167,10 @@ class SpeculativeDecoder:
         self.overlap = overlap
         self.tolerance = tolerance
         self.verify_in_steps = verify_in_steps
+        # ``verify_ahead`` (``--lynx-verify-pass layers``): a parked request's held rows run
+        # through each layer as its Residual refines it, while the rest travels. None until
+        # the scheduler's model is checked (upstream.layerwise_unsupported).
+        self._layerwise: bool | None = None if verify_ahead else False
         self.draft_memory_bytes = draft_memory_bytes
         self.page_size = page_size
         self.metrics = metrics
@@ -307,6 +317,7 @@ class SpeculativeDecoder:
             return
         self._take_out_parked(scheduler)
         polled = self._poll_residuals()
+        self._verify_ahead(scheduler, [req for req, verdict, _ in polled if verdict is Verdict.WAIT])
         if not polled:
             return
         ready, failed = self._agree(polled, reduce_min)
@@ -339,6 +350,55 @@ class SpeculativeDecoder:
                     verdict, reason = self._refine(req, landed=verdict is Verdict.READY)
             polled.append((req, verdict, reason))
         return polled
+
+    def _verify_ahead(self, scheduler: Any, waiting: list[Any]) -> None:
+        """Run the held rows of each parked request through the layers its Residual has
+        refined since the last iteration (``waiting``: its Residual is still in flight),
+        so that the verify pass left when it lands is the last layers'. Each row makes a
+        1-row decode step's calls (:func:`lynx_patches.upstream.advance_layerwise`): its
+        logits are what ``steps`` computes, bit for bit. Under the overlap loop, the step
+        in flight is processed first (one bubble per iteration that advances some)."""
+        work = []
+        for req in waiting:
+            spec = self._spec(req)
+            if not spec.out_of_batch or len(req.output_ids) <= 1:
+                continue
+            layers = self.receiver.refined_layers(spec.room)
+            if layers > (0 if spec.layerwise is None else spec.layerwise.layers):
+                work.append((spec, layers))
+        if not work or not self._layerwise_supported(scheduler):
+            return
+        if self.overlap:
+            upstream.process_in_flight_batch(scheduler)
+        for spec, layers in work:
+            if spec.req.finished():  # aborted in the step just processed: ended next poll
+                continue
+            started = time.monotonic()
+            rows = spec.layerwise or upstream.LayerwiseRows()
+            try:
+                upstream.advance_layerwise(scheduler, spec.req, spec.prompt_len, rows, layers)
+            except Exception:  # a Lynx bug: every verify pass runs in steps from now on
+                logger.exception("Lynx: room %s: verifying its held tokens layer by layer failed", spec.room)
+                self._layerwise = False
+                for other in self._speculations.values():
+                    other.layerwise = None
+                return
+            spec.layerwise = rows
+            elapsed = time.monotonic() - started
+            spec.verify_ahead_s += elapsed
+            self.stats.verify_ahead_seconds += elapsed
+
+    def _layerwise_supported(self, scheduler: Any) -> bool:
+        if self._layerwise is None:
+            why = upstream.layerwise_unsupported(scheduler)
+            if why is not None:
+                logger.warning(
+                    "Lynx: held tokens are verified in decode steps once the Residual lands, not "
+                    "layer by layer as it does (--lynx-verify-pass layers): %s",
+                    why,
+                )
+            self._layerwise = why is None
+        return self._layerwise
 
     def _agree(
         self, polled: list[tuple[Any, Verdict, str | None]], reduce_min: ReduceMin | None
@@ -541,10 +601,7 @@ class SpeculativeDecoder:
 
         started = time.monotonic()
         try:
-            prompt_lens = [spec.prompt_len for spec in specs]
-            logits = upstream.run_verify_forward(
-                scheduler, drafted, prompt_lens, in_steps=self.verify_in_steps, stop=stop
-            )
+            logits = self._verify_rows(scheduler, specs, stop)
         except Exception as exc:
             logger.exception("Lynx: the verify forward of %d requests failed", len(drafted))
             for req in drafted:
@@ -555,6 +612,34 @@ class SpeculativeDecoder:
         self.stats.verify_seconds += verify_s
         verified = {id(req): (rows, d) for req, rows, d in zip(drafted, logits, draws, strict=True)}
         return [(req, *verified.get(id(req), (None, None))) for req in checked], verify_s
+
+    def _verify_rows(
+        self, scheduler: Any, specs: list[Speculation], stop: Callable[[int, int, torch.Tensor], bool]
+    ) -> list[torch.Tensor]:
+        """Each request's verify rows: those whose rows went layer by layer as the Residual
+        landed (:meth:`_verify_ahead`) through the layers left, the others in one pass of
+        ``run_verify_forward``."""
+        ahead = [n for n, spec in enumerate(specs) if spec.layerwise is not None]
+        rest = [n for n in range(len(specs)) if n not in ahead]
+        logits: dict[int, torch.Tensor] = {}
+        if rest:
+            computed = upstream.run_verify_forward(
+                scheduler,
+                [specs[n].req for n in rest],
+                [specs[n].prompt_len for n in rest],
+                in_steps=self.verify_in_steps,
+                stop=lambda m, i, row: stop(rest[m], i, row),
+            )
+            logits.update(zip(rest, computed, strict=True))
+        for n in ahead:
+            spec = specs[n]
+            rows = spec.layerwise
+            assert rows is not None
+            spec.layers_ahead = rows.layers
+            layers = self.receiver.refined_layers(spec.room)
+            upstream.advance_layerwise(scheduler, spec.req, spec.prompt_len, rows, layers)
+            logits[n] = upstream.layerwise_logits(scheduler, rows)
+        return [logits[n] for n in range(len(specs))]
 
     def _decide_and_commit(
         self,
@@ -597,6 +682,8 @@ class SpeculativeDecoder:
             anchor_to_commit_s=time.monotonic() - spec.admitted_at,
             verify_s=verify_s if rows is not None else 0.0,
             refine_s=spec.refine_s,
+            verified_ahead_layers=spec.layers_ahead,
+            verify_ahead_s=spec.verify_ahead_s,
         )
         self.stats.record(spec.report)
         if self.metrics is not None:

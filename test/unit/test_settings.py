@@ -48,7 +48,7 @@ def test_defaults_are_valid_and_round_trip_through_json() -> None:
         ({"lane_chunk_bytes": 100}, "--lynx-lane-chunk-bytes must be in 4096..16777216 bytes, got 100"),
         ({"max_speculative_tokens": 1025}, "--lynx-max-speculative-tokens must be in 1..1024, got 1025"),
         ({"checksums": "yes"}, "--lynx-checksums must be true or false, got 'yes'"),
-        ({"verify_pass": "rows"}, "--lynx-verify-pass must be one of steps, batched, got 'rows'"),
+        ({"verify_pass": "rows"}, "--lynx-verify-pass must be one of layers, steps, batched, got 'rows'"),
     ],
 )
 def test_invalid_values_name_their_flag(kwargs: dict, message: str) -> None:

@@ -30,6 +30,7 @@ class Receiver:
         self.verdicts: dict[int, tuple[Verdict, str | None]] = {}
         self.written: list[int] = []
         self.forgotten: list[int] = []
+        self.layers: dict[int, int] = {}  # room -> layers refined
 
     def report(self, room: int) -> RoomReport:
         return RoomReport(100, 0, 0.1, None)
@@ -44,6 +45,9 @@ class Receiver:
         if landed:
             self.written.append(room)
         return landed
+
+    def refined_layers(self, room: int) -> int:
+        return self.layers.get(room, 0)
 
     def forget(self, room: int) -> RoomReport:
         self.forgotten.append(room)
@@ -556,3 +560,117 @@ def test_the_verify_pass_in_steps_ends_each_requests_rows_at_its_stop(
     steps.clear()
     module.run_verify_forward(None, [short, long], [PROMPT, PROMPT], in_steps=True)
     assert len(steps) == 4 and steps[2] == [("short", 2), ("long", 2)]  # no stop: every row
+
+
+@pytest.fixture
+def ahead(world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The decoder with ``--lynx-verify-pass layers``, over upstream's layerwise pass as the
+    decoder sees it: ``world.advanced`` records each advance (request, rows it had, layers
+    asked), ``world.layerwise_logits`` is what the rows give once every layer is done."""
+    world.decoder = SpeculativeDecoder(
+        world.receiver, max_tokens=3, page_size=1, metrics=None, verify_ahead=True
+    )  # type: ignore[arg-type]
+    world.advanced, world.layerwise_logits, world.unsupported = [], [], [None]
+
+    def advance(scheduler: Any, req: Any, prompt_len: int, rows: upstream.LayerwiseRows, layers: int) -> None:
+        assert prompt_len == PROMPT
+        world.advanced.append((req.rid, len(rows.batches), layers))
+        if world.layerwise_logits and isinstance(world.layerwise_logits[0], Exception):
+            raise world.layerwise_logits[0]
+        rows.batches = list(range(len(req.output_ids) - 1))
+        rows.layers = max(rows.layers, layers)
+
+    def logits(scheduler: Any, rows: upstream.LayerwiseRows) -> torch.Tensor:
+        assert rows.layers == LAYERS_OF_MODEL
+        return world.layerwise_logits.pop(0)
+
+    monkeypatch.setattr(upstream, "advance_layerwise", advance)
+    monkeypatch.setattr(upstream, "layerwise_logits", logits)
+    monkeypatch.setattr(upstream, "layerwise_unsupported", lambda scheduler: world.unsupported[0])
+    return world
+
+
+LAYERS_OF_MODEL = 2  # the Receiver's handshake
+
+
+def parked(world: SimpleNamespace, *tokens: int) -> tuple[Req, Scheduler]:
+    req = Req("a")
+    scheduler = admitted(world, req)
+    for token in tokens:
+        req.decode_one(world.decoder, token)
+    return req, scheduler
+
+
+def test_a_parked_requests_rows_run_through_each_layer_as_it_is_refined(ahead: SimpleNamespace) -> None:
+    req, scheduler = parked(ahead, 1, 2, 3)
+    ahead.decoder.step(scheduler)  # parked; nothing refined yet: nothing to run
+    assert ahead.advanced == [] and scheduler.running_batch.reqs == []
+    ahead.receiver.layers[ROOM] = 1
+    ahead.decoder.step(scheduler)
+    ahead.decoder.step(scheduler)  # no new layer: no work
+    assert ahead.advanced == [("a", 0, 1)]
+    ahead.receiver.layers[ROOM] = LAYERS_OF_MODEL
+    ahead.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    ahead.layerwise_logits.append(choosing(1, 0, 3))
+    ahead.decoder.step(scheduler)
+    assert ahead.advanced == [("a", 0, 1), ("a", 3, LAYERS_OF_MODEL)]  # the layer left, then logits
+    assert ahead.forwarded == []  # no verify pass in steps
+    assert req.output_ids == [7, 1, 0]
+    speculation = req.customized_info[META_INFO_KEY][0]["speculation"]  # type: ignore[index]
+    assert (speculation["accepted"], speculation["verified_ahead_layers"]) == (1, 1)
+    assert speculation["verify_ahead_s"] >= 0.0 and ahead.decoder.stats.verify_ahead_seconds >= 0.0
+
+
+def test_rows_do_not_run_ahead_while_the_request_decodes_or_where_upstream_says_they_cannot(
+    ahead: SimpleNamespace,
+) -> None:
+    req, scheduler = parked(ahead, 1)  # one held token, below the cap: still decoding
+    ahead.receiver.layers[ROOM] = 1
+    ahead.decoder.step(scheduler)
+    assert ahead.advanced == [] and scheduler.running_batch.reqs == [req]
+    req.decode_one(ahead.decoder, 2)
+    req.decode_one(ahead.decoder, 3)  # parked
+    ahead.unsupported[0] = "it runs tensor parallel (2 ranks)"
+    ahead.decoder.step(scheduler, lambda values: values)
+    ahead.receiver.layers[ROOM] = 2
+    ahead.decoder.step(scheduler, lambda values: values)
+    assert ahead.advanced == []  # checked once, then never asked again
+    ahead.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    ahead.logits.append(choosing(1, 2, 3))
+    ahead.decoder.step(scheduler)
+    assert ahead.forwarded == [["a"]] and req.output_ids == [7, 1, 2, 3]  # in steps
+
+
+def test_rows_that_fail_to_run_ahead_verify_in_steps(
+    ahead: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    req, scheduler = parked(ahead, 1, 2, 3)
+    ahead.receiver.layers[ROOM] = 1
+    ahead.layerwise_logits.append(RuntimeError("a bug"))
+    ahead.decoder.step(scheduler)
+    assert "layer by layer failed" in caplog.text
+    ahead.layerwise_logits.clear()
+    ahead.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    ahead.logits.append(choosing(1, 2, 3))
+    ahead.decoder.step(scheduler)
+    assert ahead.advanced == [("a", 0, 1)] and ahead.forwarded == [["a"]]
+    assert req.output_ids == [7, 1, 2, 3]
+
+
+def test_overlap_rows_run_ahead_after_the_step_in_flight_with_its_late_token(
+    ahead: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ahead.decoder = SpeculativeDecoder(
+        ahead.receiver, max_tokens=3, page_size=1, metrics=None, verify_ahead=True, overlap=True
+    )  # type: ignore[arg-type]
+    req, scheduler = parked(ahead, 1, 2, 3)
+
+    def process_in_flight_batch(scheduler: Any) -> None:  # the step launched before it parked
+        if len(req.output_ids) == 4:
+            req.decode_one(ahead.decoder, 4)
+
+    monkeypatch.setattr(upstream, "process_in_flight_batch", process_in_flight_batch)
+    ahead.receiver.layers[ROOM] = 1
+    ahead.decoder.step(scheduler)
+    assert ahead.advanced == [("a", 0, 1)] and req.output_ids == [7, 1, 2, 3, 4]
+    assert ahead.decoder.speculation_of(req).layerwise.batches == [0, 1, 2, 3]  # type: ignore[union-attr]

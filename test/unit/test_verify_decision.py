@@ -110,6 +110,8 @@ def test_the_report_carries_the_decision() -> None:
         "refine_s": 0.0,
         "verified": 3,
         "rejection_gap_ulps": pytest.approx(5.0 / 0.03125),  # the best logit 5.0: ulp 2**-5
+        "verified_ahead_layers": 0,
+        "verify_ahead_s": 0.0,
     }
     nothing = report(
         decide([], None, GREEDY), window=8, park_reason=None, anchor_to_commit_s=0.0, verify_s=0.0

@@ -404,6 +404,15 @@ class ProgressiveReceiver:
             state.refined = complete or plan.protects_all
         return state.refined
 
+    def refined_layers(self, room: int) -> int:
+        """How many of the request's layers (the first ones) :meth:`write_kv` has written
+        at full precision: all of them once it returned True."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return 0
+            return state.plan.num_layers if state.refined else state.refined_layers
+
     def _check_layers(
         self,
         room: int,

@@ -1093,7 +1093,8 @@ class ProgressiveSender:
                 return
             for layer, writes in enumerate(layers, start=1):
                 last_layer = layer == plan.num_layers
-                self._dispatch(state.room, Lane.LOW, writes, work.last and last_layer, now)
+                share = layer / plan.num_layers
+                self._dispatch(state.room, Lane.LOW, writes, work.last and last_layer, now, share)
                 state.residual_parts += 1
                 if work.last and not last_layer:  # the last layer's landing is LANDED's
                     state.layer_marks.append((state.residual_parts, layer))
@@ -1119,11 +1120,18 @@ class ProgressiveSender:
         return None
 
     def _dispatch(
-        self, room: int, lane: Lane, writes: list[tuple[int, int, int]], last: bool, now: float
+        self,
+        room: int,
+        lane: Lane,
+        writes: list[tuple[int, int, int]],
+        last: bool,
+        now: float,
+        share: float = 1.0,
     ) -> None:
-        """(Lock held) Submit ``writes`` to the lanes, or hold them ``hold_s`` first."""
+        """(Lock held) Submit ``writes`` to the lanes, or hold them ``share`` of ``hold_s``
+        first (a Residual's layer l of L: l / L, as a slow link lands them)."""
         if self._hold_s[lane] > 0:
-            self._held[lane].append((now + self._hold_s[lane], room, lane, writes, last))
+            self._held[lane].append((now + share * self._hold_s[lane], room, lane, writes, last))
         else:
             self._submit(room, lane, writes, last)
 

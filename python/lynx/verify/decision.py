@@ -194,9 +194,13 @@ def report(
     anchor_to_commit_s: float,
     verify_s: float,
     refine_s: float = 0.0,
+    verified_ahead_layers: int = 0,
+    verify_ahead_s: float = 0.0,
 ) -> SpeculationReport:
     """The request's speculation report (its ``meta_info``, metrics, server stats);
-    ``verify_s``: the verify pass it was part of (0 without one)."""
+    ``verify_s``: the verify pass it was part of (0 without one); ``verified_ahead_layers``
+    and ``verify_ahead_s``: the layers its verify rows went through before its Residual
+    landed, and the time that took (``--lynx-verify-pass layers``)."""
     return SpeculationReport(
         held=decision.held,
         window=window,
@@ -210,4 +214,6 @@ def report(
         verify_s=verify_s,
         refine_s=refine_s,
         verified=decision.verified,
+        verified_ahead_layers=verified_ahead_layers,
+        verify_ahead_s=verify_ahead_s,
     )

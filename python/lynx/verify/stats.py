@@ -29,6 +29,10 @@ class SpeculationReport:
     refine_s: float  # rewriting its prompt KV at full precision
     verified: int = 0  # verify rows computed: up to and including the first rejection
     rejection_gap_ulps: float | None = None  # that gap in BF16 ulps of the best logit
+    # --lynx-verify-pass layers: the layers its verify rows went through while its Residual
+    # was in flight (layer by layer as it landed), and the time that took
+    verified_ahead_layers: int = 0
+    verify_ahead_s: float = 0.0
 
 
 @dataclass
@@ -47,6 +51,7 @@ class SpeculationStats:
     rejections_far: int = 0  # more than 1 ulp
     verify_passes: int = 0
     verify_seconds: float = 0.0  # verify forwards
+    verify_ahead_seconds: float = 0.0  # verify rows run layer by layer while Residuals landed
     refine_seconds: float = 0.0  # prompt KV rewritten at full precision
     commit_seconds: float = 0.0  # decisions, rollbacks, hand-backs
     failed: int = 0  # Residual never landed, the request was aborted while speculative, or its

@@ -102,7 +102,11 @@ from lynx_patches.upstream.scheduler import (
     vocab_size,
 )
 from lynx_patches.upstream.verify_forward import (
+    LayerwiseRows,
+    advance_layerwise,
     decode_forward_rows,
+    layerwise_logits,
+    layerwise_unsupported,
     next_token_logits,
     run_verify_forward,
 )
@@ -123,10 +127,12 @@ CONTRACT: tuple[Relied, ...] = tuple(
 
 __all__ = [
     "CONTRACT",
+    "LayerwiseRows",
     "MetadataFrames",
     "Relied",
     "abort_with",
     "aborted_room",
+    "advance_layerwise",
     "append_output",
     "batch_without",
     "bootstrap_room",
@@ -147,6 +153,8 @@ __all__ = [
     "kv_allocated_len",
     "kv_pool_buffers",
     "kv_pool_start_layer",
+    "layerwise_logits",
+    "layerwise_unsupported",
     "logprob_request",
     "manager_attn_tp_size",
     "manager_engine_rank",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -114,13 +116,12 @@ def run_verify_forward(
 
 
 @relies(
-    attribute(REQ, "output_ids"),
     attribute(SCHEDULER, "tree_cache"),
     attribute(SCHEDULER, "req_to_token_pool"),
     attribute(SCHEDULER, "token_to_kv_pool_allocator"),
     attribute(SCHEDULER, "model_config"),
     attribute(SCHEDULER, "spec_algorithm"),
-    attribute(SCHEDULER, "tp_worker"),
+    attribute(REQ, "output_ids"),
     method(
         BATCH,
         "init_new",
@@ -150,16 +151,13 @@ def run_verify_forward(
         "vocab_size",
     ),
     Relied(f"{_FORWARD_BATCH_INFO}.ForwardMode", "DECODE", "member"),
-    attribute("sglang.srt.managers.utils.GenerationBatchResult", "logits_output"),
     attribute("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "device"),
     attribute("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "req_to_token"),
-    method("sglang.srt.managers.tp_worker.TpModelWorker", "forward_batch_generation", "batch", "is_verify"),
 )
-def _decode_forward(scheduler: Any, rows: Sequence[tuple[Any, int, int]]) -> torch.Tensor:
-    """One DECODE forward over ``rows`` (request, prompt length, held position i): row i
+def _decode_batch(scheduler: Any, rows: Sequence[tuple[Any, int, int]]) -> Any:
+    """A DECODE ScheduleBatch of ``rows`` (request, prompt length, held position i): row i
     of a request feeds ``output_ids[i]`` into the KV slot at ``prompt_len + i`` and
-    attends up to it. Every layer writes the KV of all rows before any row attends.
-    Returns the (rows, vocab) float32 CPU logits, one per row, in order."""
+    attends up to it."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -192,8 +190,222 @@ def _decode_forward(scheduler: Any, rows: Sequence[tuple[Any, int, int]]) -> tor
     )
     batch.multimodal_inputs = [None] * len(rows)
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, vocab_size(scheduler))
-    result = scheduler.tp_worker.forward_batch_generation(batch, is_verify=True)
+    return batch
+
+
+@relies(
+    attribute(SCHEDULER, "tp_worker"),
+    attribute("sglang.srt.managers.utils.GenerationBatchResult", "logits_output"),
+    method("sglang.srt.managers.tp_worker.TpModelWorker", "forward_batch_generation", "batch", "is_verify"),
+)
+def _decode_forward(scheduler: Any, rows: Sequence[tuple[Any, int, int]]) -> torch.Tensor:
+    """One DECODE forward over ``rows`` (:func:`_decode_batch`). Every layer writes the KV
+    of all rows before any row attends. Returns the (rows, vocab) float32 CPU logits, one
+    per row, in order."""
+    result = scheduler.tp_worker.forward_batch_generation(_decode_batch(scheduler, rows), is_verify=True)
     logits = next_token_logits(result.logits_output)
     if logits.shape[0] != len(rows):
         raise RuntimeError(f"verify forward gave {logits.shape[0]} logit rows for {len(rows)}")
     return logits.float().cpu()
+
+
+# ---- the verify pass layer by layer, as the Residual lands ------------------------------------
+
+# The models whose forward the layerwise pass repeats call by call (their ``forward`` and
+# their ``model.forward``), with the keywords their final norm takes. Any other model
+# verifies in decode steps.
+_LAYERWISE_MODELS: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {},
+    "Qwen2ForCausalLM": {"skip_empty": True},
+}
+_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+_LLAMA = "sglang.srt.models.llama"
+_QWEN2 = "sglang.srt.models.qwen2"
+# Where a forward batch's residual stream starts and ends (a module of functions).
+_RESIDUAL_BATCH = "sglang.srt.layers.layer_boundary.residual.batch"
+
+
+@dataclass
+class LayerwiseRows:
+    """One request's held rows in the layerwise verify pass: row i (feeding ``output_ids[i]``
+    at position ``prompt_len + i``) as its own 1-row decode forward batch, and its hidden
+    state after the first ``layers`` layers, which every row has been through."""
+
+    batches: list[Any] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    layers: int = 0
+
+
+@relies(
+    attribute(SCHEDULER, "tp_size"),
+    attribute(SCHEDULER, "tp_worker"),
+    attribute("sglang.srt.managers.tp_worker.TpModelWorker", "model_runner"),
+    attribute(_RUNNER, "model"),
+    attribute(_RUNNER, "decode_cuda_graph_runner"),
+    attribute(_RUNNER, "hisparse_coordinator"),
+    attribute(_RUNNER, "eager_runner"),
+    attribute("sglang.srt.model_executor.runner.eager_runner.EagerRunner", "enable_pdmux"),
+    attribute(f"{_LLAMA}.LlamaForCausalLM", "capture_aux_hidden_states"),
+    attribute(f"{_LLAMA}.LlamaForCausalLM", "pp_group"),
+    attribute(f"{_LLAMA}.LlamaForCausalLM", "model"),
+    attribute(f"{_LLAMA}.LlamaModel", "layers_to_capture"),
+    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "capture_aux_hidden_states"),
+    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "pp_group"),
+    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "model"),
+    attribute(f"{_QWEN2}.Qwen2Model", "layers_to_capture"),
+    attribute("sglang.srt.distributed.parallel_state.GroupCoordinator", "is_first_rank"),
+    attribute("sglang.srt.distributed.parallel_state.GroupCoordinator", "is_last_rank"),
+)
+def layerwise_unsupported(scheduler: Any) -> str | None:
+    """Why this server cannot verify held rows layer by layer with its decode step's
+    calls, or None if it can."""
+    if scheduler.tp_size != 1:  # each layer's collectives would need every rank to run it then
+        return f"it runs tensor parallel ({scheduler.tp_size} ranks)"
+    runner = scheduler.tp_worker.model_runner
+    model = runner.model
+    name = type(model).__name__
+    if name not in _LAYERWISE_MODELS:
+        return f"its model is a {name}, the layerwise pass knows {', '.join(_LAYERWISE_MODELS)}"
+    if runner.decode_cuda_graph_runner not in (None, runner.eager_runner):
+        return "its decode steps replay a graph, which rows computed layer by layer would not"
+    if runner.hisparse_coordinator is not None or runner.eager_runner.enable_pdmux:
+        return "its decode steps run with HiSparse or PD multiplexing"
+    if not (model.pp_group.is_first_rank and model.pp_group.is_last_rank):
+        return "it runs pipeline parallel"
+    if model.capture_aux_hidden_states or model.model.layers_to_capture:
+        return "its model captures auxiliary hidden states"
+    return None
+
+
+@relies(
+    attribute(_RUNNER, "attn_backend"),
+    attribute(_RUNNER, "eager_runner"),
+    method("sglang.srt.model_executor.runner.base_runner.BaseRunner", "model_context"),
+    attribute("sglang.srt.model_executor.forward_context.ForwardContext", "attn_backend"),
+    Relied("sglang.srt.model_executor.forward_context", "ForwardContext", "class"),
+    method("sglang.srt.model_executor.forward_context", "forward_context", "ctx", "forward_batch"),
+    method(
+        "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",
+        "init_forward_metadata",
+        "forward_batch",
+    ),
+)
+def _row_context(runner: Any, forward_batch: Any) -> contextlib.ExitStack:
+    """What a decode step's forward runs under (the eager runner's model context and
+    forward context, the attention backend's metadata of its batch), for one row's call."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(runner.eager_runner.model_context())
+    context = ForwardContext(attn_backend=runner.attn_backend)
+    stack.enter_context(forward_context(context, forward_batch=forward_batch))
+    runner.attn_backend.init_forward_metadata(forward_batch)
+    return stack
+
+
+@relies(
+    attribute(SCHEDULER, "tp_worker"),
+    attribute("sglang.srt.managers.tp_worker.TpModelWorker", "model_runner"),
+    attribute(_RUNNER, "model"),
+    attribute(REQ, "output_ids"),
+    method(
+        f"{_FORWARD_BATCH_INFO}.ForwardBatch",
+        "init_new",
+        "batch",
+        "model_runner",
+        "capture_hidden_mode",
+        "return_hidden_states_before_norm",
+    ),
+    attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "input_ids"),
+    attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "positions"),
+    attribute(f"{_LLAMA}.LlamaForCausalLM", "model"),
+    attribute(f"{_LLAMA}.LlamaModel", "embed_tokens"),
+    attribute(f"{_LLAMA}.LlamaModel", "layers"),
+    attribute(f"{_LLAMA}.LlamaModel", "start_layer"),
+    method(f"{_LLAMA}.LlamaDecoderLayer", "forward", "positions", "hidden_states", "forward_batch"),
+    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "model"),
+    attribute(f"{_QWEN2}.Qwen2Model", "embed_tokens"),
+    attribute(f"{_QWEN2}.Qwen2Model", "layers"),
+    attribute(f"{_QWEN2}.Qwen2Model", "start_layer"),
+    method(f"{_QWEN2}.Qwen2DecoderLayer", "forward", "positions", "hidden_states", "forward_batch"),
+    method(_RESIDUAL_BATCH, "start", "forward_batch"),
+)
+def advance_layerwise(scheduler: Any, req: Any, prompt_len: int, rows: LayerwiseRows, layers: int) -> None:
+    """Bring ``rows`` up to the held tokens of ``req`` (a prompt of ``prompt_len`` tokens;
+    a new row runs at once through the layers the others went through), then run every
+    row through the first ``layers`` layers (the request's prompt KV there must hold its
+    full-precision values): layer by layer, each layer row by row in order, so row i
+    attends to the KV the rows before it wrote there, as in decode step i. Each row makes
+    the calls of a 1-row decode step (``forward`` of the supported models,
+    :func:`layerwise_unsupported`): its hidden state and the KV it writes are that
+    step's, bit for bit."""
+    from sglang.srt.layers.layer_boundary.residual import batch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    runner = scheduler.tp_worker.model_runner
+    stack = runner.model.model
+    first = stack.start_layer
+    hidden_states = rows.hidden
+    with torch.no_grad():
+        for i in range(len(rows.batches), len(req.output_ids) - 1):
+            forward_batch = ForwardBatch.init_new(
+                _decode_batch(scheduler, [(req, prompt_len, i)]),
+                runner,
+                capture_hidden_mode=None,
+                return_hidden_states_before_norm=False,
+            )
+            with _row_context(runner, forward_batch):
+                batch.start(forward_batch)
+                hidden = stack.embed_tokens(forward_batch.input_ids)
+                for layer in range(first, first + rows.layers):
+                    hidden = stack.layers[layer](forward_batch.positions, hidden, forward_batch)
+            rows.batches.append(forward_batch)
+            hidden_states.append(hidden)
+        for layer in range(first + rows.layers, first + layers):
+            for n, forward_batch in enumerate(rows.batches):
+                with _row_context(runner, forward_batch):
+                    hidden_states[n] = stack.layers[layer](
+                        forward_batch.positions, hidden_states[n], forward_batch
+                    )
+        rows.layers = max(rows.layers, layers)
+
+
+@relies(
+    attribute(SCHEDULER, "tp_worker"),
+    attribute("sglang.srt.managers.tp_worker.TpModelWorker", "model_runner"),
+    attribute(_RUNNER, "model"),
+    attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "input_ids"),
+    attribute(f"{_LLAMA}.LlamaForCausalLM", "model"),
+    attribute(f"{_LLAMA}.LlamaForCausalLM", "logits_processor"),
+    attribute(f"{_LLAMA}.LlamaForCausalLM", "lm_head"),
+    attribute(f"{_LLAMA}.LlamaModel", "norm"),
+    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "model"),
+    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "logits_processor"),
+    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "lm_head"),
+    attribute(f"{_QWEN2}.Qwen2Model", "norm"),
+    method(
+        "sglang.srt.layers.logits_processor.LogitsProcessor",
+        "forward",
+        "input_ids",
+        "hidden_states",
+        "lm_head",
+        "logits_metadata",
+    ),
+    method(_RESIDUAL_BATCH, "final_norm", "hidden_states", "forward_batch", "layernorm", "skip_empty"),
+)
+def layerwise_logits(scheduler: Any, rows: LayerwiseRows) -> torch.Tensor:
+    """The (rows, vocab) float32 CPU logits of ``rows``, which went through every layer:
+    the final norm and the logits of a 1-row decode step, row by row."""
+    from sglang.srt.layers.layer_boundary.residual import batch
+
+    runner = scheduler.tp_worker.model_runner
+    model = runner.model
+    norm_keywords = _LAYERWISE_MODELS[type(model).__name__]
+    logits = []
+    with torch.no_grad():
+        for forward_batch, hidden in zip(rows.batches, rows.hidden, strict=True):
+            with _row_context(runner, forward_batch):
+                normed = batch.final_norm(hidden, forward_batch, model.model.norm, **norm_keywords)
+                output = model.logits_processor(forward_batch.input_ids, normed, model.lm_head, forward_batch)
+            logits.append(next_token_logits(output).float().cpu())
+    return torch.cat(logits)
