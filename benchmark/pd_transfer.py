@@ -61,6 +61,9 @@ CONFIGS: dict[str, list[str]] = {
     "lynx-full-chunkwise": ["--lynx", "--lynx-layerwise-from", "0"],
     "lynx-anchor-only": ["--lynx", "--lynx-mode", "anchor-only"],
     "lynx-speculative": ["--lynx", "--lynx-mode", "speculative"],
+    # the verify pass all after the Residual landed (the default runs a parked request's
+    # rows through each layer as it lands)
+    "lynx-speculative-steps": ["--lynx", "--lynx-mode", "speculative", "--lynx-verify-pass", "steps"],
     # each chunk's Anchor leaves once the chunk is computed (the default streams it layer by
     # layer as prefill computes it, from 2,048 tokens) ...
     "lynx-speculative-chunkwise": ["--lynx", "--lynx-mode", "speculative", "--lynx-layerwise-from", "0"],
