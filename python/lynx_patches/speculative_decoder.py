@@ -239,6 +239,7 @@ class SpeculativeDecoder:
             residual_bytes_per_s=self.window.residual_bytes_per_s,
             tokens_per_s=self.window.tokens_per_s,
             agreement=self.stats.agreement_rate,
+            verify_ahead=bool(self._layerwise),
         )
         held = HeldTokens(window, draft_probs=None if sampling.greedy else [])
         # The receiver refuses a second request for a room in use.
@@ -311,6 +312,7 @@ class SpeculativeDecoder:
         """Poll the Residuals, refine the KV of those that landed, agree with the other TP
         ranks (``reduce_min``, :func:`lynx.verify.agree`; None: one rank), then verify and
         commit what every rank refined and fail what any rank failed."""
+        self._layerwise_supported(scheduler)  # once, before its first request is admitted
         if self._draining:
             self._drain()
         if not self._speculations:

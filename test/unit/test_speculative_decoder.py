@@ -621,20 +621,27 @@ def test_a_parked_requests_rows_run_through_each_layer_as_it_is_refined(ahead: S
     assert speculation["verify_ahead_s"] >= 0.0 and ahead.decoder.stats.verify_ahead_seconds >= 0.0
 
 
-def test_rows_do_not_run_ahead_while_the_request_decodes_or_where_upstream_says_they_cannot(
-    ahead: SimpleNamespace,
-) -> None:
+def test_rows_do_not_run_ahead_while_the_request_decodes(ahead: SimpleNamespace) -> None:
     req, scheduler = parked(ahead, 1)  # one held token, below the cap: still decoding
     ahead.receiver.layers[ROOM] = 1
     ahead.decoder.step(scheduler)
     assert ahead.advanced == [] and scheduler.running_batch.reqs == [req]
     req.decode_one(ahead.decoder, 2)
     req.decode_one(ahead.decoder, 3)  # parked
+    ahead.decoder.step(scheduler)
+    assert ahead.advanced == [("a", 0, 1)]
+
+
+def test_where_upstream_says_rows_cannot_run_ahead_they_verify_in_steps(
+    ahead: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
     ahead.unsupported[0] = "it runs tensor parallel (2 ranks)"
-    ahead.decoder.step(scheduler, lambda values: values)
+    req, scheduler = parked(ahead, 1, 2, 3)
+    ahead.receiver.layers[ROOM] = 1
+    ahead.decoder.step(scheduler)
     ahead.receiver.layers[ROOM] = 2
-    ahead.decoder.step(scheduler, lambda values: values)
-    assert ahead.advanced == []  # checked once, then never asked again
+    ahead.decoder.step(scheduler)
+    assert ahead.advanced == [] and caplog.text.count("tensor parallel") == 1  # checked once
     ahead.receiver.verdicts[ROOM] = (Verdict.READY, None)
     ahead.logits.append(choosing(1, 2, 3))
     ahead.decoder.step(scheduler)

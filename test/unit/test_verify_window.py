@@ -33,6 +33,19 @@ def test_the_window_covers_the_residual_flight_with_slack() -> None:
     )
 
 
+def test_with_the_verify_pass_ahead_the_flight_holds_half_as_many_drafts() -> None:
+    """2 s in flight at 10 tokens/s: 10 drafted and 10 verified while it lands."""
+    window = speculation_window(
+        max_tokens=256,
+        residual_bytes=2_000_000,
+        residual_bytes_per_s=1e6,
+        tokens_per_s=10.0,
+        agreement=None,
+        verify_ahead=True,
+    )
+    assert window == 10 + MIN_WINDOW
+
+
 def test_the_window_stops_where_acceptance_makes_drafts_worthless() -> None:
     # agreement 0.9: 0.9 ** n < 0.02 from n = 38 on.
     window = speculation_window(

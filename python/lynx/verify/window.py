@@ -8,7 +8,11 @@ verified anyway). So the window is the smallest of
 * the tokens the request can decode before its Residual is expected to land: its
   Residual bytes still in flight over the lane's measured throughput, times the measured
   decode rate, with slack (a late estimate parks the request idle, an early one only
-  costs a few drafts);
+  costs a few drafts). When the verify pass runs while the Residual lands
+  (``verify_ahead``, ``--lynx-verify-pass layers``), half of them: a held token costs a
+  decode step to draft and about one to verify, and both fit in the flight; the tokens
+  then commit as the Residual lands instead of a verify pass later (no slack: a parked
+  request is not idle, it verifies);
 * the tokens worth drafting: a prefix of ``n`` held tokens is accepted whole with
   probability about ``agreement ** n``; past the length where that falls below
   ``min_prefix_probability`` more tokens are almost surely rolled back;
@@ -35,6 +39,7 @@ def speculation_window(
     tokens_per_s: float | None,
     agreement: float | None,
     min_prefix_probability: float = 0.02,
+    verify_ahead: bool = False,
 ) -> int:
     """See the module docstring. Rates None: not measured yet."""
     if max_tokens < 1:
@@ -42,7 +47,8 @@ def speculation_window(
     window = max_tokens
     if residual_bytes_per_s and tokens_per_s and residual_bytes_per_s > 0 and tokens_per_s > 0:
         flight_s = residual_bytes / residual_bytes_per_s
-        window = min(window, math.ceil(SLACK * flight_s * tokens_per_s) + MIN_WINDOW)
+        share = 0.5 if verify_ahead else SLACK
+        window = min(window, math.ceil(share * flight_s * tokens_per_s) + MIN_WINDOW)
     if agreement is not None and 0.0 < agreement < 1.0:
         useful = math.log(min_prefix_probability) / math.log(agreement)
         window = min(window, max(MIN_WINDOW, math.ceil(useful)))

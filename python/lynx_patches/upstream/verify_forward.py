@@ -225,6 +225,16 @@ _QWEN2 = "sglang.srt.models.qwen2"
 _RESIDUAL_BATCH = "sglang.srt.layers.layer_boundary.residual.batch"
 
 
+def _in_each_model(kind: str, *names: str) -> tuple[Relied, ...]:
+    """The attributes ``names`` of each layerwise model's class ``kind`` (``ForCausalLM``,
+    ``Model``): the models' stacks are alike, each is checked on its own."""
+    return tuple(
+        attribute(f"{module}.{prefix}{kind}", name)
+        for module, prefix in ((_LLAMA, "Llama"), (_QWEN2, "Qwen2"))
+        for name in names
+    )
+
+
 @dataclass
 class LayerwiseRows:
     """One request's held rows in the layerwise verify pass: row i (feeding ``output_ids[i]``
@@ -245,14 +255,8 @@ class LayerwiseRows:
     attribute(_RUNNER, "hisparse_coordinator"),
     attribute(_RUNNER, "eager_runner"),
     attribute("sglang.srt.model_executor.runner.eager_runner.EagerRunner", "enable_pdmux"),
-    attribute(f"{_LLAMA}.LlamaForCausalLM", "capture_aux_hidden_states"),
-    attribute(f"{_LLAMA}.LlamaForCausalLM", "pp_group"),
-    attribute(f"{_LLAMA}.LlamaForCausalLM", "model"),
-    attribute(f"{_LLAMA}.LlamaModel", "layers_to_capture"),
-    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "capture_aux_hidden_states"),
-    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "pp_group"),
-    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "model"),
-    attribute(f"{_QWEN2}.Qwen2Model", "layers_to_capture"),
+    *_in_each_model("ForCausalLM", "capture_aux_hidden_states", "pp_group", "model"),
+    *_in_each_model("Model", "layers_to_capture"),
     attribute("sglang.srt.distributed.parallel_state.GroupCoordinator", "is_first_rank"),
     attribute("sglang.srt.distributed.parallel_state.GroupCoordinator", "is_last_rank"),
 )
@@ -318,15 +322,9 @@ def _row_context(runner: Any, forward_batch: Any) -> contextlib.ExitStack:
     ),
     attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "input_ids"),
     attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "positions"),
-    attribute(f"{_LLAMA}.LlamaForCausalLM", "model"),
-    attribute(f"{_LLAMA}.LlamaModel", "embed_tokens"),
-    attribute(f"{_LLAMA}.LlamaModel", "layers"),
-    attribute(f"{_LLAMA}.LlamaModel", "start_layer"),
+    *_in_each_model("ForCausalLM", "model"),
+    *_in_each_model("Model", "embed_tokens", "layers", "start_layer"),
     method(f"{_LLAMA}.LlamaDecoderLayer", "forward", "positions", "hidden_states", "forward_batch"),
-    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "model"),
-    attribute(f"{_QWEN2}.Qwen2Model", "embed_tokens"),
-    attribute(f"{_QWEN2}.Qwen2Model", "layers"),
-    attribute(f"{_QWEN2}.Qwen2Model", "start_layer"),
     method(f"{_QWEN2}.Qwen2DecoderLayer", "forward", "positions", "hidden_states", "forward_batch"),
     method(_RESIDUAL_BATCH, "start", "forward_batch"),
 )
@@ -375,14 +373,8 @@ def advance_layerwise(scheduler: Any, req: Any, prompt_len: int, rows: Layerwise
     attribute("sglang.srt.managers.tp_worker.TpModelWorker", "model_runner"),
     attribute(_RUNNER, "model"),
     attribute(f"{_FORWARD_BATCH_INFO}.ForwardBatch", "input_ids"),
-    attribute(f"{_LLAMA}.LlamaForCausalLM", "model"),
-    attribute(f"{_LLAMA}.LlamaForCausalLM", "logits_processor"),
-    attribute(f"{_LLAMA}.LlamaForCausalLM", "lm_head"),
-    attribute(f"{_LLAMA}.LlamaModel", "norm"),
-    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "model"),
-    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "logits_processor"),
-    attribute(f"{_QWEN2}.Qwen2ForCausalLM", "lm_head"),
-    attribute(f"{_QWEN2}.Qwen2Model", "norm"),
+    *_in_each_model("ForCausalLM", "model", "logits_processor", "lm_head"),
+    *_in_each_model("Model", "norm"),
     method(
         "sglang.srt.layers.logits_processor.LogitsProcessor",
         "forward",
