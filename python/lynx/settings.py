@@ -26,6 +26,7 @@ from lynx.codec.format import Residual as ResidualMode
 from lynx.lanes.scheduler import MAX_DEADLINE_S, LaneConfig
 from lynx.mode import Mode
 from lynx.transfer.auth import AuthKey
+from lynx.verify.window import VERIFY_PASSES, VerifyPass
 
 SETTINGS_ENV = "LYNX_SETTINGS"
 AUTH_KEY_ENV = "LYNX_AUTH_KEY_FILE"
@@ -112,7 +113,7 @@ class LynxSettings:
     # forward (~3 decode steps on the CPU backend; its products and attention round
     # differently from a decode step's unless the kernels are batch-invariant, so in BF16
     # a near-tie can break the other way: opt-in).
-    verify_pass: str = "layers"
+    verify_pass: VerifyPass = "layers"
     lane_chunk_bytes: int = 1 << 20
     transfer_deadline_s: float = 60.0
     buffer_bytes: int = 0  # 0: enough for every row of the KV pool in flight at once
@@ -254,8 +255,6 @@ def flag_of(field: str) -> str:
     """The launcher flag of a :class:`LynxSettings` field (``key_block`` -> ``--lynx-key-block``)."""
     return "--lynx-" + field.removesuffix("_s").replace("_", "-")
 
-
-VERIFY_PASSES = ("layers", "steps", "batched")
 
 _SIZE_UNITS = {
     "": 1,

@@ -77,6 +77,7 @@ from lynx.verify import (
     SpecState,
     SpeculationReport,
     SpeculationStats,
+    VerifyPass,
     WindowEstimator,
     acceptance_draws,
     agree,
@@ -146,8 +147,7 @@ class SpeculativeDecoder:
         metrics: LynxMetrics | None,
         *,
         tolerance: float = 0.0,
-        verify_in_steps: bool = True,
-        verify_ahead: bool = False,
+        verify_pass: VerifyPass = "steps",
         draft_memory_bytes: int = 256 << 20,
         seed: int | None = None,
         overlap: bool = False,
@@ -166,11 +166,11 @@ class SpeculativeDecoder:
         # before it takes requests out to verify or fail them.
         self.overlap = overlap
         self.tolerance = tolerance
-        self.verify_in_steps = verify_in_steps
-        # ``verify_ahead`` (``--lynx-verify-pass layers``): a parked request's held rows run
-        # through each layer as its Residual refines it, while the rest travels. None until
-        # the scheduler's model is checked (upstream.layerwise_unsupported).
-        self._layerwise: bool | None = None if verify_ahead else False
+        self.verify_in_steps = verify_pass != "batched"
+        # ``--lynx-verify-pass layers``: a parked request's held rows run through each
+        # layer as its Residual refines it, while the rest travels. None until the
+        # scheduler's model is checked (upstream.layerwise_unsupported).
+        self._layerwise: bool | None = None if verify_pass == "layers" else False
         self.draft_memory_bytes = draft_memory_bytes
         self.page_size = page_size
         self.metrics = metrics
@@ -231,20 +231,20 @@ class SpeculativeDecoder:
     def admit(self, req: Any, room: int, slots: torch.Tensor, vocab_size: int) -> None:
         """Upstream committed ``t_0``; the request's KV pages hold the Anchor."""
         sampling = upstream.sampling_settings(req, vocab_size)
+        prompt_len = len(req.origin_input_ids)
         window = speculation_window(
             max_tokens=self.max_tokens,
-            residual_bytes=self.window.expected_residual_nbytes(
+            flight_s=self.window.expected_flight_s(
                 RequestLayout.of(self.receiver.handshake, slots.numel()).sent_residual_nbytes
             ),
-            residual_bytes_per_s=self.window.residual_bytes_per_s,
-            tokens_per_s=self.window.tokens_per_s,
+            step_s=self.window.expected_step_s(prompt_len),
             agreement=self.stats.agreement_rate,
-            verify_ahead=bool(self._layerwise),
+            verify_pass=self.verify_pass,
         )
         held = HeldTokens(window, draft_probs=None if sampling.greedy else [])
         # The receiver refuses a second request for a room in use.
         assert room not in self._speculations, f"room {room} speculates for two requests"
-        spec = Speculation(req, room, slots, len(req.origin_input_ids), held, sampling, time.monotonic())
+        spec = Speculation(req, room, slots, prompt_len, held, sampling, time.monotonic())
         spec.reasoning = upstream.reasoning_state(req)
         self._speculations[room] = spec
         self.stats.active += 1
@@ -254,14 +254,22 @@ class SpeculativeDecoder:
         self._report(req, spec)
         reason = unverifiable_because(sampling)
         if reason is not None:
-            spec.held.park(ParkReason.UNVERIFIABLE)
-            self.stats.waited += 1
+            self._wait(spec, ParkReason.UNVERIFIABLE)
             logger.debug("Lynx: request %s waits for its Residual: %s", req.rid, reason)
         elif spec.sampled and self._draft_row_bytes(spec) > self.draft_memory_bytes - self.stats.draft_bytes:
-            spec.held.park(ParkReason.DRAFT_MEMORY)
-            self.stats.waited += 1
-        else:
-            self.stats.requests += 1
+            self._wait(spec, ParkReason.DRAFT_MEMORY)
+
+    @property
+    def verify_pass(self) -> VerifyPass:
+        """The verify pass held tokens get (``layers`` only where upstream runs it)."""
+        if self._layerwise:
+            return "layers"
+        return "steps" if self.verify_in_steps else "batched"
+
+    def _wait(self, spec: Speculation, reason: ParkReason) -> None:
+        """Park a request that holds nothing: it waits for its Residual without drafting."""
+        spec.held.park(reason)
+        self.stats.waited += 1
 
     def hold(self, req: Any, token: int) -> None:
         """``req`` decoded ``token`` on the Anchor (:meth:`takes_token`): hold it (parking the
@@ -275,6 +283,8 @@ class SpeculativeDecoder:
         if spec.held.state is SpecState.PARKED:
             spec.held.hold_late(token, probs)
         else:
+            if not spec.held.tokens:
+                self.stats.requests += 1
             spec.held.hold(token, probs)
         spec.last_held_at = time.monotonic()
         if probs is not None:
@@ -323,6 +333,7 @@ class SpeculativeDecoder:
         if not polled:
             return
         ready, failed = self._agree(polled, reduce_min)
+        self._take_out_parked(scheduler)
         if not ready and not failed:
             return
         if self.overlap:
@@ -417,6 +428,8 @@ class SpeculativeDecoder:
         ready, failed = [], []
         for n, ((req, _, reason), spec) in enumerate(zip(polled, specs, strict=True)):
             spec.held.cap = agreement.windows[n]  # lowered only for requests that hold nothing yet
+            if spec.held.cap == 0 and spec.held.state is SpecState.SPECULATIVE:
+                self._wait(spec, ParkReason.CAP)  # a window of 0: taken out before it decodes
             if agreement.verdicts[n] is Verdict.READY:
                 ready.append(req)
             elif agreement.verdicts[n] is Verdict.FAIL:
@@ -673,7 +686,7 @@ class SpeculativeDecoder:
             self._fail(scheduler, req, f"verifying its held tokens failed: {exc}")
             return
         if spec.last_held_at is not None:
-            self.window.observe_decoding(decision.held, spec.last_held_at - spec.admitted_at)
+            self.window.observe_decoding(decision.held, spec.last_held_at - spec.admitted_at, spec.prompt_len)
         park_reason = spec.held.park_reason
         spec.held.committed(decision.accepted)
         self._commit(scheduler, req, decision.accepted, decision.correction, logprobs)

@@ -15,7 +15,7 @@ import torch
 
 from lynx.codec import CodecConfig, KVLayout
 from lynx.mode import Mode
-from lynx.transfer import Handshake, RoomReport, Verdict
+from lynx.transfer import Handshake, RequestLayout, RoomReport, Verdict
 from lynx.verify import ParkReason, SpecState
 from lynx_patches import upstream
 from lynx_patches.speculative_decoder import META_INFO_KEY, SpeculativeDecoder
@@ -284,6 +284,28 @@ def test_logprobs_of_committed_tokens_come_from_the_verify_pass(world: SimpleNam
     assert lists.output_top_logprobs_idx == [[7], [1], [0]]
     assert lists.output_token_ids_logprobs_idx == [[], [4], [4]]
     assert lists.output_token_ids_logprobs_val[1:] == [[pytest.approx(float(full[i, 4]))] for i in range(2)]
+
+
+def test_a_residual_expected_before_a_draft_would_pay_is_waited_for(world: SimpleNamespace) -> None:
+    """A window of 0 (the Residual is expected to land within a decode step): the request
+    streams t_0 and leaves the batch before it decodes a draft, in the step that agrees on
+    its window; it then decodes as a plain request once its Residual landed."""
+    residual = RequestLayout.of(Receiver.handshake, PROMPT).sent_residual_nbytes
+    world.decoder.window.observe_residual(residual, 0.05)
+    world.decoder.window.observe_decoding(10, 1.0, PROMPT)  # 0.1 s a step
+    req = Req("a")
+    scheduler = admitted(world, req)
+    world.decoder.step(scheduler)  # the Residual is still in flight
+    spec = world.decoder.speculation_of(req)
+    assert spec is not None and spec.held.state is SpecState.PARKED and spec.held.cap == 0
+    assert spec.held.park_reason is ParkReason.CAP and spec.held.tokens == []
+    assert scheduler.running_batch.reqs == [] and list(world.decoder.parked_requests()) == [req]
+    assert (world.decoder.stats.requests, world.decoder.stats.waited) == (0, 1)
+    world.receiver.verdicts[ROOM] = (Verdict.READY, None)
+    world.decoder.step(scheduler)
+    assert req.output_ids == [7] and scheduler.waiting_queue == [req]
+    speculation = req.customized_info[META_INFO_KEY][0]["speculation"]  # type: ignore[index]
+    assert (speculation["held"], speculation["window"], speculation["park_reason"]) == (0, 0, "cap")
 
 
 def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace) -> None:
@@ -568,7 +590,7 @@ def ahead(world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> SimpleName
     decoder sees it: ``world.advanced`` records each advance (request, rows it had, layers
     asked), ``world.layerwise_logits`` is what the rows give once every layer is done."""
     world.decoder = SpeculativeDecoder(
-        world.receiver, max_tokens=3, page_size=1, metrics=None, verify_ahead=True
+        world.receiver, max_tokens=3, page_size=1, metrics=None, verify_pass="layers"
     )  # type: ignore[arg-type]
     world.advanced, world.layerwise_logits, world.unsupported = [], [], [None]
 
@@ -668,7 +690,7 @@ def test_overlap_rows_run_ahead_after_the_step_in_flight_with_its_late_token(
     ahead: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ahead.decoder = SpeculativeDecoder(
-        ahead.receiver, max_tokens=3, page_size=1, metrics=None, verify_ahead=True, overlap=True
+        ahead.receiver, max_tokens=3, page_size=1, metrics=None, verify_pass="layers", overlap=True
     )  # type: ignore[arg-type]
     req, scheduler = parked(ahead, 1, 2, 3)
 

@@ -43,9 +43,9 @@ def test_one_rank_passes_its_own_values_through() -> None:
 
 def test_ranks_agree_on_the_smallest_window_and_the_least_ready_verdict() -> None:
     mine = [Verdict.READY, Verdict.READY, Verdict.WAIT]
-    theirs = vector([8, 32, 32], [Verdict.WAIT, Verdict.FAIL, Verdict.READY])
+    theirs = vector([8, 0, 32], [Verdict.WAIT, Verdict.FAIL, Verdict.READY])
     agreement = agree(ROOMS, [32, 32, 5], mine, ranks(theirs))
-    assert agreement.windows == [8, 32, 5]
+    assert agreement.windows == [8, 0, 5]  # 0: another rank expects its Residual before a draft pays
     # READY only where every rank refined; FAIL wherever any rank failed
     assert agreement.verdicts == [Verdict.WAIT, Verdict.FAIL, Verdict.WAIT]
     assert agreement.others_failed == [False, True, False]
@@ -69,8 +69,8 @@ def test_ranks_tracking_other_requests_are_a_divergence() -> None:
 def test_bad_input_raises() -> None:
     with pytest.raises(ValueError, match="2 windows and 3 verdicts for 3 rooms"):
         agree(ROOMS, [1, 1], [Verdict.WAIT] * 3, None)
-    with pytest.raises(ValueError, match=">= 1"):
-        agree(ROOMS, [0, 1, 1], [Verdict.WAIT] * 3, None)
+    with pytest.raises(ValueError, match=">= 0"):
+        agree(ROOMS, [-1, 1, 1], [Verdict.WAIT] * 3, None)
 
 
 def test_values_fit_the_int32_reduction() -> None:

@@ -69,9 +69,10 @@ def test_residual_before_the_cap_verifies_directly() -> None:
         HeldTokens(cap=8, state=S.VERIFYING, tokens=[1]).committed(accepted=3)
 
 
-def test_cap_must_be_positive() -> None:
-    with pytest.raises(ValueError, match=">= 1"):
-        HeldTokens(cap=0)
+def test_cap_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        HeldTokens(cap=-1)
+    assert HeldTokens(cap=0).state is S.SPECULATIVE  # the decoder parks it before it decodes
 
 
 def test_one_late_token_after_the_park() -> None:

@@ -36,7 +36,7 @@ from lynx.verify.rollback import KVCommit, kv_after_commit
 from lynx.verify.sampling import SamplingSettings, draft_probs, filter_probs, target_probs, tempered_probs
 from lynx.verify.state import SPEC_TRANSITIONS, HeldTokens, ParkReason, SpecState
 from lynx.verify.stats import NEAR_TIE_GAP, NEAR_TIE_ULPS, SpeculationReport, SpeculationStats
-from lynx.verify.window import WindowEstimator, speculation_window
+from lynx.verify.window import VerifyPass, WindowEstimator, speculation_window
 
 __all__ = [
     "NEAR_TIE_GAP",
@@ -56,6 +56,7 @@ __all__ = [
     "SpeculationStats",
     "VerifyDecision",
     "VerifyOutcome",
+    "VerifyPass",
     "WindowEstimator",
     "acceptance_draws",
     "agree",

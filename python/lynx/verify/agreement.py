@@ -61,8 +61,8 @@ def agree(
     n = len(rooms)
     if len(windows) != n or len(verdicts) != n:
         raise ValueError(f"{len(windows)} windows and {len(verdicts)} verdicts for {n} rooms")
-    if any(w < 1 for w in windows):
-        raise ValueError(f"speculation windows must be >= 1, got {list(windows)}")
+    if any(w < 0 for w in windows):
+        raise ValueError(f"speculation windows must be >= 0, got {list(windows)}")
     keys = [room & _ROOM_KEY_MASK for room in rooms]
     local = [*windows, *(VERDICT_ORDER.index(v) for v in verdicts), *keys, *(-k for k in keys)]
     agreed = local if reduce_min is None or not local else reduce_min(local)

@@ -49,7 +49,7 @@ SPEC_TRANSITIONS: dict[SpecState, frozenset[SpecState]] = {
 
 
 class ParkReason(enum.Enum):
-    CAP = "cap"  # --lynx-max-speculative-tokens held
+    CAP = "cap"  # its speculation window held (0: it waits for the Residual without drafting)
     FINISH = "finish"  # a held token would finish the request (EOS, stop, max_new_tokens)
     MEMORY = "memory"  # the decode batch ran out of KV space: parked instead of retracted
     DRAFT_MEMORY = "draft_memory"  # the draft distributions of sampled requests reached their budget
@@ -72,8 +72,8 @@ class HeldTokens:
     late: bool = False  # the late token (see PARKED) was held
 
     def __post_init__(self) -> None:
-        if self.cap < 1:
-            raise ValueError(f"the speculative cap must be >= 1, got {self.cap}")
+        if self.cap < 0:
+            raise ValueError(f"the speculative cap must be >= 0, got {self.cap}")
 
     def move(self, state: SpecState) -> None:
         if state not in SPEC_TRANSITIONS[self.state]:

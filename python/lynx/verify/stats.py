@@ -37,8 +37,10 @@ class SpeculationReport:
 
 @dataclass
 class SpeculationStats:
-    requests: int = 0  # requests decoded on the Anchor while their Residual was in flight
-    waited: int = 0  # requests that waited for the Residual (sampling settings Lynx cannot verify)
+    requests: int = 0  # requests that decoded a draft on the Anchor while their Residual was in flight
+    # requests that waited for the Residual without drafting: a window of 0 (it was expected
+    # before a draft would pay), sampling settings Lynx cannot verify, no draft memory left
+    waited: int = 0
     held_tokens: int = 0
     accepted_tokens: int = 0
     greedy_verified_rows: int = 0  # verify rows of greedy requests (each stops at a rejection)
