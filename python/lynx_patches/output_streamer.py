@@ -12,10 +12,14 @@ Hook targets (``sglang.srt.`` omitted):
 * ``managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output``
   AROUND (``--lynx-mode speculative``): requests holding unverified tokens are left out,
   so neither their tokens nor their stream offsets move; verification may still cut
-  them. The first token (prefill's, exact) passes; a finished request always passes.
+  them. The first token (prefill's, exact) passes; a finished request always passes. A
+  request that waited for its Residual out of every batch streamed its first token
+  then; the prebuilt step that takes it into a batch afterwards leaves it out while it
+  has no new token (that chunk would repeat the first one, empty).
 
 Contract: scheduler thread, any number of times per iteration; without a speculative
-decoder (or with no request holding tokens) upstream's call is unchanged.
+decoder (or with no request holding tokens or waiting after its first token streamed)
+upstream's call is unchanged.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ def _final_report_at_stream_end(original: Any, accumulator: Any, *args: Any, **k
 
 def _hold_back(original: Any, streamer: Any, reqs: list[Any], *args: Any, **kwargs: Any) -> Any:
     decoder = runtime.speculative_decoder()
-    if decoder is None or not any(decoder.holds_tokens(r) for r in reqs):
+    if decoder is None:
         return original(streamer, reqs, *args, **kwargs)
-    released = [req for req in reqs if not decoder.holds_tokens(req)]
+    released = [req for req in reqs if decoder.streams(req)]
+    if len(released) == len(reqs):
+        return original(streamer, reqs, *args, **kwargs)
     if not released:
         return None
     return original(streamer, released, *args, **kwargs)

@@ -179,6 +179,10 @@ class SpeculativeDecoder:
         # room -> the speculation of the request speculating, parked or waiting on it
         self._speculations: dict[int, Speculation] = {}
         self._draining: set[int] = set()  # rooms whose request ended before the Residual landed
+        # Requests that waited for their Residual out of every batch and streamed t_0 when
+        # they left the waiting queue: the chunk upstream's prebuilt path streams when they
+        # join a batch again would repeat it with no new token.
+        self._streamed_ahead: set[int] = set()  # id(req)
 
     # ---- what the hooks ask ---------------------------------------------------------------
 
@@ -219,6 +223,14 @@ class SpeculativeDecoder:
             for spec in self._speculations.values()
             if spec.sampled and spec.held.state is SpecState.SPECULATIVE
         }
+
+    def streams(self, req: Any) -> bool:
+        """``req`` is to be in the output batch being streamed now: it holds no unverified
+        token, and is not a request whose t_0 streamed ahead with nothing new since."""
+        if id(req) in self._streamed_ahead:
+            self._streamed_ahead.discard(id(req))
+            return not upstream.streamed_every_token(req)
+        return not self.holds_tokens(req)
 
     def parked_requests(self) -> list[Any]:
         return [spec.req for spec in self._speculations.values() if spec.out_of_batch]
@@ -497,9 +509,17 @@ class SpeculativeDecoder:
             for spec in self._speculations.values()
             if not spec.out_of_batch and spec.held.state is SpecState.PARKED
         ]
-        if newly:
-            upstream.remove_from_batches(scheduler, newly)
-            self.hold_out_of_batch(newly)
+        if not newly:
+            return
+        upstream.remove_from_batches(scheduler, newly)
+        self.hold_out_of_batch(newly)
+        for req in newly:
+            # One that waits from its admission (window 0, sampling it cannot verify) never
+            # joined a batch, whose prebuilt step streams t_0: the Anchor's TTFT is now.
+            if not self._spec(req).held.tokens and upstream.first_stream_chunk(req):
+                upstream.stream_first_token(scheduler, req)
+                if not upstream.first_stream_chunk(req):
+                    self._streamed_ahead.add(id(req))
 
     # ---- outcomes ---------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from lynx.codec import CodecConfig, KVLayout
 from lynx.mode import Mode
 from lynx.transfer import Handshake, RequestLayout, RoomReport, Verdict
 from lynx.verify import ParkReason, SpecState
-from lynx_patches import upstream
+from lynx_patches import output_streamer, runtime, upstream
 from lynx_patches.speculative_decoder import META_INFO_KEY, SpeculativeDecoder
 
 VOCAB, PROMPT, ROOM = 16, 5, 11
@@ -81,6 +81,8 @@ class Req:
         self._think_start_match_len = 0
         self.grammar = None
         self.to_finish: str | None = None
+        self.stream = True
+        self.send_token_offset = 0  # tokens streamed so far
         self.finished_reason: str | None = None
         self.customized_info: dict | None = None
         self.kv = SimpleNamespace(req_pool_idx=3, kv_allocated_len=PROMPT, kv_committed_len=PROMPT)
@@ -120,8 +122,23 @@ class Batch:
         self.reqs = [self.reqs[i] for i in keep_indices]
 
 
+class OutputStreamer:
+    """Upstream's, reduced: each call streams every request's unsent tokens (a streamed
+    request with none sends an empty chunk, as upstream's does at stream interval 1)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[str, list[int]]] = []
+
+    def stream_output(self, reqs: list[Any], return_logprob: bool) -> None:
+        for req in reqs:
+            if req.stream or req.finished():
+                self.chunks.append((req.rid, req.output_ids[req.send_token_offset :]))
+                req.send_token_offset = len(req.output_ids)
+
+
 class Scheduler:
     def __init__(self, reqs: list[Any]) -> None:
+        self.output_streamer = OutputStreamer()
         self.running_batch = Batch(reqs)
         self.waiting_queue: list[Any] = []
         self.freed: list[tuple[int, int]] = []
@@ -286,26 +303,45 @@ def test_logprobs_of_committed_tokens_come_from_the_verify_pass(world: SimpleNam
     assert lists.output_token_ids_logprobs_val[1:] == [[pytest.approx(float(full[i, 4]))] for i in range(2)]
 
 
-def test_a_residual_expected_before_a_draft_would_pay_is_waited_for(world: SimpleNamespace) -> None:
+def test_a_residual_expected_before_a_draft_would_pay_is_waited_for(
+    world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A window of 0 (the Residual is expected to land within a decode step): the request
     streams t_0 and leaves the batch before it decodes a draft, in the step that agrees on
     its window; it then decodes as a plain request once its Residual landed."""
     residual = RequestLayout.of(Receiver.handshake, PROMPT).sent_residual_nbytes
     world.decoder.window.observe_residual(residual, 0.05)
     world.decoder.window.observe_decoding(10, 1.0, PROMPT)  # 0.1 s a step
-    req = Req("a")
-    scheduler = admitted(world, req)
+    req, other = Req("a"), Req("b", room=ROOM + 1)
+    other.output_ids.append(3)
+    scheduler = Scheduler([other])
+    world.decoder.admit(req, ROOM, torch.arange(PROMPT), VOCAB)
+    scheduler.waiting_queue.append(req)  # where upstream queues a transferred request
     world.decoder.step(scheduler)  # the Residual is still in flight
     spec = world.decoder.speculation_of(req)
     assert spec is not None and spec.held.state is SpecState.PARKED and spec.held.cap == 0
     assert spec.held.park_reason is ParkReason.CAP and spec.held.tokens == []
-    assert scheduler.running_batch.reqs == [] and list(world.decoder.parked_requests()) == [req]
+    assert scheduler.waiting_queue == [] and list(world.decoder.parked_requests()) == [req]
     assert (world.decoder.stats.requests, world.decoder.stats.waited) == (0, 1)
+    # it never joins a batch, whose prebuilt step streams t_0: t_0 streams now
+    assert scheduler.output_streamer.chunks == [("a", [7])]
     world.receiver.verdicts[ROOM] = (Verdict.READY, None)
     world.decoder.step(scheduler)
     assert req.output_ids == [7] and scheduler.waiting_queue == [req]
     speculation = req.customized_info[META_INFO_KEY][0]["speculation"]  # type: ignore[index]
     assert (speculation["held"], speculation["window"], speculation["park_reason"]) == (0, 0, "cap")
+    # upstream's prebuilt step takes it into a batch: no chunk repeats t_0; the next token streams
+    monkeypatch.setattr(runtime, "speculative_decoder", lambda: world.decoder)
+    streamer = scheduler.output_streamer
+
+    def stream(reqs: list[Any]) -> None:
+        output_streamer._hold_back(OutputStreamer.stream_output, streamer, reqs, False)
+
+    stream([req, other])
+    assert streamer.chunks == [("a", [7]), ("b", [7, 3])]
+    req.output_ids.append(4)
+    stream([req])
+    assert streamer.chunks[-1] == ("a", [4])
 
 
 def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace) -> None:
@@ -318,6 +354,7 @@ def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace)
     world.receiver.verdicts[ROOM] = (Verdict.READY, None)
     world.decoder.step(scheduler)
     assert req.output_ids == [7] and scheduler.waiting_queue == [req]  # refined, nothing to verify
+    assert scheduler.output_streamer.chunks == [("a", [7])]  # t_0 streamed as it parked
     assert req.customized_info[META_INFO_KEY][0]["speculation"]["held"] == 0  # type: ignore[index]
 
 

@@ -78,6 +78,7 @@ from lynx_patches.upstream.requests import (
     send_with_room,
     set_kv_len,
     set_request_info,
+    streamed_every_token,
     tokenized_room,
     truncate_output,
 )
@@ -99,6 +100,7 @@ from lynx_patches.upstream.scheduler import (
     release_and_answer,
     remove_from_batches,
     requeue,
+    stream_first_token,
     vocab_size,
 )
 from lynx_patches.upstream.verify_forward import (
@@ -197,6 +199,8 @@ __all__ = [
     "send_with_room",
     "set_kv_len",
     "set_request_info",
+    "stream_first_token",
+    "streamed_every_token",
     "synchronize_send_events",
     "tokenized_room",
     "truncate_output",

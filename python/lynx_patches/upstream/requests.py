@@ -186,6 +186,13 @@ def first_stream_chunk(req: Any) -> bool:
     return req.send_token_offset == 0
 
 
+@relies(attribute(REQ, "send_token_offset"), attribute(REQ, "output_ids"), method(REQ, "finished"))
+def streamed_every_token(req: Any) -> bool:
+    """``req`` is not finished and has streamed every token it has (its next chunk would
+    carry none)."""
+    return not req.finished() and req.send_token_offset >= len(req.output_ids)
+
+
 @relies(
     attribute(REQ, "customized_info"),
     method(REQ, "finished"),

@@ -250,6 +250,22 @@ def release_and_answer(scheduler: Any, req: Any) -> None:
     scheduler.output_streamer.stream_output([req], req.return_logprob)
 
 
+@relies(
+    attribute(REQ, "return_logprob"),
+    attribute(SCHEDULER, "output_streamer"),
+    method(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
+        "stream_output",
+        "reqs",
+        "return_logprob",
+    ),
+)
+def stream_first_token(scheduler: Any, req: Any) -> None:
+    """Stream the first token of ``req`` (still in the waiting queue) now, as upstream's
+    prebuilt path does when a transferred request joins a batch."""
+    scheduler.output_streamer.stream_output([req], req.return_logprob)
+
+
 @relies(method(BATCH, "filter_batch", "keep_indices"), attribute(BATCH, "reqs"))
 def batch_without(batch: Any, remove: Sequence[int]) -> None:
     """Drop rows ``remove`` of ``batch`` (their requests keep their KV)."""
