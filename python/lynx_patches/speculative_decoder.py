@@ -253,6 +253,8 @@ class SpeculativeDecoder:
             agreement=self.stats.agreement_rate,
             verify_pass=self.verify_pass,
         )
+        if self.overlap:  # one parked at its cap in a batch holds the late token too
+            window = max(0, window - 1)
         held = HeldTokens(window, draft_probs=None if sampling.greedy else [])
         # The receiver refuses a second request for a room in use.
         assert room not in self._speculations, f"room {room} speculates for two requests"

@@ -344,6 +344,22 @@ def test_a_residual_expected_before_a_draft_would_pay_is_waited_for(
     assert streamer.chunks[-1] == ("a", [4])
 
 
+@pytest.mark.parametrize(("flight_s", "cap"), [(0.15, 0), (0.35, 2), (10.0, 2)])
+def test_under_overlap_the_late_token_counts_in_the_window(
+    world: SimpleNamespace, flight_s: float, cap: int
+) -> None:
+    """A request parked at its cap in a batch holds the token of the step launched before
+    (the late token), so its cap is one under the tokens the window allows: 1 becomes 0 (it
+    waits), 3 becomes 2 (it holds 3), and --lynx-max-speculative-tokens 3 is 3 held."""
+    decoder = SpeculativeDecoder(world.receiver, max_tokens=3, page_size=1, metrics=None, overlap=True)  # type: ignore[arg-type]
+    decoder.window.observe_residual(
+        RequestLayout.of(Receiver.handshake, PROMPT).sent_residual_nbytes, flight_s
+    )
+    decoder.window.observe_decoding(10, 1.0, PROMPT)  # 0.1 s a step: steps allows flight_s / 0.1
+    decoder.admit(Req("a"), ROOM, torch.arange(PROMPT), VOCAB)
+    assert decoder._speculations[ROOM].held.cap == cap
+
+
 def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace) -> None:
     req = Req("a")
     req.grammar = object()  # a grammar's state cannot be rewound
@@ -537,8 +553,9 @@ def test_a_residual_failed_on_another_rank_fails_the_request_here(world: SimpleN
 @pytest.fixture
 def overlapped(world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     """The decoder under upstream's overlap loop: ``world.in_flight`` lists the requests
-    of the step in flight, whose tokens ``process_in_flight_batch`` delivers."""
-    world.decoder = SpeculativeDecoder(world.receiver, max_tokens=3, page_size=1, metrics=None, overlap=True)  # type: ignore[arg-type]
+    of the step in flight, whose tokens ``process_in_flight_batch`` delivers. Its cap is
+    3, as the other tests' (4 tokens at most: 3 and the late one)."""
+    world.decoder = SpeculativeDecoder(world.receiver, max_tokens=4, page_size=1, metrics=None, overlap=True)  # type: ignore[arg-type]
     world.in_flight, world.drained = [], []
 
     def process_in_flight_batch(scheduler: Any) -> None:
@@ -727,8 +744,8 @@ def test_overlap_rows_run_ahead_after_the_step_in_flight_with_its_late_token(
     ahead: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ahead.decoder = SpeculativeDecoder(
-        ahead.receiver, max_tokens=3, page_size=1, metrics=None, verify_pass="layers", overlap=True
-    )  # type: ignore[arg-type]
+        ahead.receiver, max_tokens=4, page_size=1, metrics=None, verify_pass="layers", overlap=True
+    )  # type: ignore[arg-type]  # cap 3 and the late token
     req, scheduler = parked(ahead, 1, 2, 3)
 
     def process_in_flight_batch(scheduler: Any) -> None:  # the step launched before it parked
