@@ -12,9 +12,13 @@ fresh prefill + decode pair (pd_transfer.Pair, ``--link`` as there), one warm-up
 then the same ``--repeats`` real-text prompts of each ``--contexts`` length, each one
 streamed greedy request of ``max(--marks)`` tokens. Sizes run one after the other, the
 configurations of a size back to back, so a drifting host touches every configuration of
-a size alike. Per (configuration, size): TTFT and the time to each mark (medians), KV
-bytes per request, and the ratios to plain PD (``bf16``) at ``--default-chunk`` and at
-its best size (its lowest median TTFT per context). Prints a markdown table, writes
+a size alike. With ``--interleave`` every configuration's pair of a size is up at once and
+each prompt goes to each configuration in turn (the order reversed every other prompt):
+a host whose speed drifts within minutes (a shared one) then touches them alike prompt
+by prompt; the idle pairs' servers wait on their sockets meanwhile. Per (configuration,
+size): TTFT and the time to each mark (medians), KV bytes per request, and the ratios to
+plain PD (``bf16``) at ``--default-chunk`` and at its best size (its lowest median TTFT
+per context). Prints a markdown table, writes
 ``chunk_sweep.json`` and ``chunk_sweep.png`` (TTFT and each mark against the chunk size,
 one line per configuration) to ``--out``.
 
@@ -28,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,7 @@ from pd_transfer import (
     Pair,
     add_pair_options,
     measure,
+    measure_one,
     median_of,
     prompts_from,
     rerun_on_decode_side,
@@ -123,6 +129,28 @@ def plot(runs: Runs, contexts: list[int], marks: list[int], title: str, path: Pa
     fig.savefig(path, dpi=120)
 
 
+def turn_order(configs: list[str], prompt: int) -> list[str]:
+    """The order the configurations serve the ``prompt``-th prompt in, interleaved: as
+    given, reversed every other prompt, so neither serves first more often (the first
+    after a pause can find the host's caches cold)."""
+    return list(configs) if prompt % 2 == 0 else list(reversed(configs))
+
+
+def interleaved(
+    pairs: dict[str, Pair], prompts: dict[int, list[str]], marks: list[int]
+) -> dict[str, list[dict[str, Any]]]:
+    """One warm-up request per pair, then each prompt to every pair in :func:`turn_order`:
+    per configuration, one record per request (pd_transfer.measure_one)."""
+    for pair in pairs.values():
+        pair.generate("warm up", 2)
+    runs: dict[str, list[dict[str, Any]]] = {config: [] for config in pairs}
+    items = [(context, index, text) for context, texts in prompts.items() for index, text in enumerate(texts)]
+    for n, (context, index, text) in enumerate(items):
+        for config in turn_order(list(pairs), n):
+            runs[config].append(measure_one(pairs[config], context, index, text, marks, 0))
+    return runs
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(__doc__)
     add_pair_options(parser, chunk=False)
@@ -131,8 +159,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--default-chunk", type=int, help="plain PD's size the ratios start from (default: the largest swept)"
     )
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every configuration's pair up at once, each prompt to each configuration in turn",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmark/results/chunk_sweep")
     args = parser.parse_args(argv)
+    if len(set(args.configs)) < len(args.configs):
+        parser.error(f"--configs must be distinct: {args.configs}")
     if BASELINE not in args.configs:
         parser.error(f"--configs must include {BASELINE} (plain PD: every ratio is to it)")
     if min(args.chunks) < 1 or len(set(args.chunks)) < len(args.chunks):
@@ -157,13 +192,31 @@ def main(argv: list[str] | None = None) -> int:
     with terminate_on_sigterm():
         for size in args.chunks:
             sized = argparse.Namespace(**{**vars(args), "chunk": size})
+            if args.interleave:
+                print(f"== {', '.join(args.configs)} interleaved, chunk {size}", flush=True)
+                with ExitStack() as stack:
+                    pairs = {
+                        config: stack.enter_context(
+                            Pair(
+                                f"{config}-{size}",
+                                CONFIGS[config],
+                                sized,
+                                args.out / "logs" / f"{config}-{size}",
+                            )
+                        )
+                        for config in args.configs
+                    }
+                    for config, records in interleaved(pairs, prompts, args.marks).items():
+                        runs[config][size] = records
+            else:
+                for config in args.configs:
+                    print(f"== {config}, chunk {size}", flush=True)
+                    log_dir = args.out / "logs" / f"{config}-{size}"
+                    with Pair(f"{config}-{size}", CONFIGS[config], sized, log_dir) as pair:
+                        runs[config][size] = measure(pair, prompts, args.marks, 0)
             for config in args.configs:
-                print(f"== {config}, chunk {size}", flush=True)
-                log_dir = args.out / "logs" / f"{config}-{size}"
-                with Pair(f"{config}-{size}", CONFIGS[config], sized, log_dir) as pair:
-                    runs[config][size] = measure(pair, prompts, args.marks, 0)
                 ttfts = [round(r["times"][1], 2) for r in runs[config][size]]
-                print(f"  TTFT {ttfts} s", flush=True)
+                print(f"  {config}: TTFT {ttfts} s", flush=True)
     rows = summarize(runs, args.contexts, args.marks, args.default_chunk)
     link = args.link or "loopback"
     print(f"\n{args.model.name}, {args.dtype}, {link} link; {args.repeats} prompt(s) per point")

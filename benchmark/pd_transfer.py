@@ -180,29 +180,35 @@ def prefill_counters(pair: Pair) -> dict[str, float]:
 
 
 def measure(pair: Pair, prompts: dict[int, list[str]], marks: list[int], round_: int) -> list[dict[str, Any]]:
-    """A warm-up request, then each prompt once, streamed: one record per request, with
-    what the prefill counted during it (requests run one at a time)."""
+    """A warm-up request, then each prompt once, streamed: one record per request
+    (:func:`measure_one`; requests run one at a time)."""
     pair.generate("warm up", 2)
-    runs = []
-    for context, texts in prompts.items():
-        for index, text in enumerate(texts):
-            before = prefill_counters(pair)
-            answer, times = pair.stream(text, marks)
-            after = prefill_counters(pair)
-            report = final_report(answer)
-            runs.append(
-                {
-                    "round": round_,
-                    "context": context,
-                    "prompt": index,
-                    "times": times,
-                    "kv_bytes": report["anchor_bytes"] + report["residual_bytes"] if report else None,
-                    "output_ids": answer["output_ids"],
-                    "report": report,
-                    "prefill": {key: after[key] - before[key] for key in after if key in before},
-                }
-            )
-    return runs
+    return [
+        measure_one(pair, context, index, text, marks, round_)
+        for context, texts in prompts.items()
+        for index, text in enumerate(texts)
+    ]
+
+
+def measure_one(
+    pair: Pair, context: int, index: int, text: str, marks: list[int], round_: int
+) -> dict[str, Any]:
+    """Prompt ``index`` of the ``context``-token ones, streamed: its record, with what the
+    prefill counted during it."""
+    before = prefill_counters(pair)
+    answer, times = pair.stream(text, marks)
+    after = prefill_counters(pair)
+    report = final_report(answer)
+    return {
+        "round": round_,
+        "context": context,
+        "prompt": index,
+        "times": times,
+        "kv_bytes": report["anchor_bytes"] + report["residual_bytes"] if report else None,
+        "output_ids": answer["output_ids"],
+        "report": report,
+        "prefill": {key: after[key] - before[key] for key in after if key in before},
+    }
 
 
 def median_of(runs: list[dict[str, Any]], context: int, n: int) -> float:

@@ -70,3 +70,38 @@ def test_bad_sweeps_exit_2(
 def test_the_default_chunk_is_the_largest_swept(sweep: ModuleType) -> None:
     args = sweep.parse_args(["--chunks", "256", "1024", "512"])
     assert args.default_chunk == 1024 and args.configs == ["bf16", "lynx-speculative"]
+
+
+def test_interleaved_configurations_take_turns_first(sweep: ModuleType) -> None:
+    configs = ["bf16", "lynx-full-chunkwise", "lynx-speculative"]
+    assert sweep.turn_order(configs, 0) == configs
+    assert sweep.turn_order(configs, 1) == configs[::-1]
+    assert sweep.turn_order(configs, 2) == configs
+    assert sweep.parse_args(["--interleave"]).interleave
+
+
+def test_interleaved_requests_alternate_between_the_pairs(
+    sweep: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[tuple[str, int, int]] = []
+
+    class Pair:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def generate(self, prompt: str, max_new_tokens: int) -> None:
+            served.append((self.name, -1, -1))
+
+    def measure_one(
+        pair: Any, context: int, index: int, text: str, marks: list[int], round_: int
+    ) -> dict[str, Any]:
+        served.append((pair.name, context, index))
+        return {"context": context, "prompt": index}
+
+    monkeypatch.setattr(sweep, "measure_one", measure_one)
+    runs = sweep.interleaved({"a": Pair("a"), "b": Pair("b")}, {256: ["x", "y"], 2048: ["z"]}, [32])
+    assert served == [
+        ("a", -1, -1), ("b", -1, -1),  # warm-ups
+        ("a", 256, 0), ("b", 256, 0), ("b", 256, 1), ("a", 256, 1), ("a", 2048, 0), ("b", 2048, 0),
+    ]  # fmt: skip
+    assert [r["prompt"] for r in runs["a"]] == [0, 1, 0] and len(runs["b"]) == 3
