@@ -3,9 +3,10 @@
 Hook targets (``sglang.srt.`` omitted):
 * ``managers.schedule_batch.Req.update_finish_state`` AROUND: upstream calls it after each
   decode step appended a token. For a request decoding on Anchor KV (or the late token of
-  a parked one, under the overlap loop), record the token as held (parking the request
-  at the cap) and defer a finish it would cause (EOS, stop
-  string, max_new_tokens): held tokens only count once verified. An abort passes
+  a parked one, under the overlap loop), defer a finish it would cause (EOS, stop
+  string, max_new_tokens: upstream's check runs first, its finish is cleared) and record
+  the token as held, parking the request for that finish or at the cap: held tokens
+  only count once verified. An abort passes
   through, with the output cut back to what was committed so no held token reaches the
   client.
 * ``managers.schedule_batch.ScheduleBatch.retract_decode`` AROUND: under KV memory
@@ -42,11 +43,11 @@ def _hold_or_defer(original: Any, req: Any, new_accepted_len: int = 1) -> Any:
         return original(req, new_accepted_len)
     if len(new) != 1:
         raise RuntimeError(f"request {req.rid}: {len(new)} tokens in one step on Anchor KV")
-    decoder.hold(req, new[0])
     result = original(req, new_accepted_len)
-    if req.finished_reason is not None:
+    finishes = req.finished_reason is not None
+    if finishes:
         upstream.clear_finish(req)
-        decoder.park(req, ParkReason.FINISH)
+    decoder.hold(req, new[0], finishes=finishes)
     return result
 
 

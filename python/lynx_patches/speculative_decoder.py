@@ -285,9 +285,10 @@ class SpeculativeDecoder:
         spec.held.park(reason)
         self.stats.waited += 1
 
-    def hold(self, req: Any, token: int) -> None:
-        """``req`` decoded ``token`` on the Anchor (:meth:`takes_token`): hold it (parking the
-        request at the cap)."""
+    def hold(self, req: Any, token: int, *, finishes: bool = False) -> None:
+        """``req`` decoded ``token`` on the Anchor (:meth:`takes_token`): hold it, parking the
+        request if the token would finish it (``finishes``: upstream's finish check said so,
+        which only counts once verified) or at the cap."""
         spec = self.speculation_of(req)
         assert spec is not None
         tempered = spec.pending_probs.popleft() if spec.pending_probs else None
@@ -299,7 +300,7 @@ class SpeculativeDecoder:
         else:
             if not spec.held.tokens:
                 self.stats.requests += 1
-            spec.held.hold(token, probs)
+            spec.held.hold(token, probs, finishes=finishes)
         spec.last_held_at = time.monotonic()
         if probs is not None:
             self._count_drafts(spec, probs.numel() * probs.element_size())

@@ -41,6 +41,16 @@ def test_the_cap_parks() -> None:
         held.hold(8)
 
 
+def test_a_held_token_that_would_finish_the_request_parks_it_even_at_the_cap() -> None:
+    held = HeldTokens(cap=3)
+    held.hold(5, finishes=True)
+    assert (held.state, held.park_reason, held.tokens) == (S.PARKED, ParkReason.FINISH, [5])
+    at_cap = HeldTokens(cap=2)
+    at_cap.hold(5)
+    at_cap.hold(6, finishes=True)  # fills the cap and finishes it: the finish is what to say
+    assert at_cap.park_reason is ParkReason.FINISH
+
+
 def test_commit_keeps_the_accepted_prefix_and_its_probabilities() -> None:
     held = HeldTokens(cap=8, draft_probs=[])
     for token in range(4):

@@ -80,12 +80,16 @@ class HeldTokens:
             raise ValueError(f"speculative state {self.state.value} -> {state.value} is not allowed")
         self.state = state
 
-    def hold(self, token: int, probs: torch.Tensor | None = None) -> None:
-        """Record one token decoded on Anchor KV; park at the cap."""
+    def hold(self, token: int, probs: torch.Tensor | None = None, *, finishes: bool = False) -> None:
+        """Record one token decoded on Anchor KV; park if it would finish the request
+        (``finishes``, which only counts once verified; also when it fills the cap: the
+        reason that says more) or at the cap."""
         if self.state is not SpecState.SPECULATIVE:
             raise ValueError(f"cannot hold a token in state {self.state.value}")
         self._append(token, probs)
-        if len(self.tokens) >= self.cap:
+        if finishes:
+            self.park(ParkReason.FINISH)
+        elif len(self.tokens) >= self.cap:
             self.park(ParkReason.CAP)
 
     def hold_late(self, token: int, probs: torch.Tensor | None = None) -> None:
