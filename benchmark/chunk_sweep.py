@@ -15,7 +15,7 @@ configurations of a size back to back, so a drifting host touches every configur
 a size alike. With ``--interleave`` every configuration's pair of a size is up at once and
 each prompt goes to each configuration in turn (the order reversed every other prompt):
 a host whose speed drifts within minutes (a shared one) then touches them alike prompt
-by prompt; the idle pairs' servers wait on their sockets meanwhile. Per (configuration,
+by prompt; the other pairs sit idle meanwhile, their servers up. Per (configuration,
 size): TTFT and the time to each mark (medians), KV bytes per request, and the ratios to
 plain PD (``bf16``) at ``--default-chunk`` and at its best size (its lowest median TTFT
 per context). Prints a markdown table, writes
