@@ -520,7 +520,7 @@ class SpeculativeDecoder:
             # One that waits from its admission (window 0, sampling it cannot verify) never
             # joined a batch, whose prebuilt step streams t_0: the Anchor's TTFT is now.
             if not self._spec(req).held.tokens and upstream.first_stream_chunk(req):
-                upstream.stream_first_token(scheduler, req)
+                upstream.stream_now(scheduler, req)
                 if not upstream.first_stream_chunk(req):
                     self._streamed_ahead.add(id(req))
 

@@ -100,7 +100,7 @@ from lynx_patches.upstream.scheduler import (
     release_and_answer,
     remove_from_batches,
     requeue,
-    stream_first_token,
+    stream_now,
     vocab_size,
 )
 from lynx_patches.upstream.verify_forward import (
@@ -199,7 +199,7 @@ __all__ = [
     "send_with_room",
     "set_kv_len",
     "set_request_info",
-    "stream_first_token",
+    "stream_now",
     "streamed_every_token",
     "synchronize_send_events",
     "tokenized_room",

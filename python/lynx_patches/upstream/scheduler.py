@@ -230,16 +230,8 @@ def requeue(scheduler: Any, req: Any) -> None:
 
 
 @relies(
-    attribute(REQ, "return_logprob"),
     attribute(SCHEDULER, "tree_cache"),
-    attribute(SCHEDULER, "output_streamer"),
     Relied("sglang.srt.mem_cache.common", "release_kv_cache", "function"),
-    method(
-        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer",
-        "stream_output",
-        "reqs",
-        "return_logprob",
-    ),
 )
 def release_and_answer(scheduler: Any, req: Any) -> None:
     """A finished request: free its KV and answer the client (upstream's prebuilt path
@@ -247,7 +239,7 @@ def release_and_answer(scheduler: Any, req: Any) -> None:
     from sglang.srt.mem_cache.common import release_kv_cache
 
     release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
-    scheduler.output_streamer.stream_output([req], req.return_logprob)
+    stream_now(scheduler, req)
 
 
 @relies(
@@ -260,9 +252,10 @@ def release_and_answer(scheduler: Any, req: Any) -> None:
         "return_logprob",
     ),
 )
-def stream_first_token(scheduler: Any, req: Any) -> None:
-    """Stream the first token of ``req`` (still in the waiting queue) now, as upstream's
-    prebuilt path does when a transferred request joins a batch."""
+def stream_now(scheduler: Any, req: Any) -> None:
+    """Stream what ``req`` has not streamed yet, now, through upstream's output streamer:
+    a finished request's answer, or the first token of one still in the waiting queue
+    (upstream's prebuilt path streams it when a transferred request joins a batch)."""
     scheduler.output_streamer.stream_output([req], req.return_logprob)
 
 
