@@ -61,6 +61,7 @@ _MAX_SPECULATIVE_TOKENS = 1024
 # An HMAC key shorter than this is guessable; a key file longer than the largest is not one.
 _MIN_KEY_BYTES = 16
 _MAX_KEY_BYTES = 4096
+_MAX_KEY_FILE_BYTES = 2 * _MAX_KEY_BYTES  # the key and its surrounding whitespace
 # What each kind of setting must be, by the type of its default (bool before int: a bool
 # is an int to isinstance); a number may be written as an integer.
 _KINDS: dict[type, tuple[str, tuple[type, ...]]] = {
@@ -204,25 +205,36 @@ class LynxSettings:
     def auth_key(self) -> AuthKey | None:
         """The key in :attr:`auth_key_file` (None without one), its surrounding whitespace
         (a trailing newline) not part of it. LynxSettingsError naming the flag for a file
-        that cannot be read, is not a regular file, holds fewer than 16 or more than 4096
-        bytes, or that users other than its owner and group may read or write."""
+        that cannot be read, is not a regular file (a FIFO is refused without waiting for a
+        writer), is over 8,192 bytes, holds fewer than 16 or more than 4096 bytes besides
+        that whitespace, or that users other than its owner and group may read or write."""
         path = self.auth_key_file
         if not path:
             return None
         where = f"{flag_of('auth_key_file')} {path}"
         try:
-            with open(path, "rb") as file:
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, and
+            # the launcher with it, before the regular-file check below could refuse it.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as file:
                 mode = os.fstat(file.fileno()).st_mode
                 if not stat.S_ISREG(mode):
                     raise LynxSettingsError(f"{where}: not a regular file")
-                secret = file.read(_MAX_KEY_BYTES + 1)
+                # Read past the largest key and its whitespace, so that a longer file is
+                # refused whole instead of cut at the limit.
+                content = file.read(_MAX_KEY_FILE_BYTES + 1)
         except OSError as exc:
             raise LynxSettingsError(f"{where}: cannot read it ({exc.strerror})") from None
+        if len(content) > _MAX_KEY_FILE_BYTES:
+            raise LynxSettingsError(
+                f"{where}: the file is over {_MAX_KEY_FILE_BYTES} bytes; a key is "
+                f"{_MIN_KEY_BYTES}..{_MAX_KEY_BYTES} bytes"
+            )
         if mode & 0o007:
             raise LynxSettingsError(
                 f"{where}: other users may read or write it (mode {stat.S_IMODE(mode):o}); chmod o-rwx {path}"
             )
-        secret = secret.strip()
+        secret = content.strip()
         if not _MIN_KEY_BYTES <= len(secret) <= _MAX_KEY_BYTES:
             raise LynxSettingsError(
                 f"{where}: a key is {_MIN_KEY_BYTES}..{_MAX_KEY_BYTES} bytes, the file holds "

@@ -18,11 +18,13 @@ bootstrap/status thread; every other method on the scheduler thread.
 
 * ``mooncake.conn.MooncakeKVManager``: ``__init__``, ``_make_worker_recv`` (take Lynx
   offers off decode's metadata messages on prefill, Lynx notices on decode; drop a peer's
-  message upstream's thread would die of, see ``upstream.unreadable_peer_message``),
+  message upstream's thread would die of, see ``upstream.unreadable_peer_message``; stop
+  an aborted room's lanes on prefill, and with a key drop an ABORT from another decode
+  than the room's; survive any exception of Lynx's own on one message),
   ``add_transfer_request`` (prefill: encode and send instead of the page copy; a request
   decode's radix cache holds whole sends no KV, upstream's aux data only),
-  ``build_receiver_metadata_message`` (decode: append the offer),
-  ``_handle_abort_notification`` (prefill: stop the request's lanes),
+  ``build_receiver_metadata_message`` (decode: append the offer, signed over the
+  message's room, session and notice endpoint),
   ``_handle_node_failure`` (decode: upstream's heartbeat declared a prefill dead, so the
   receive space it may have written is free), ``teardown``.
 * ``mooncake.conn.MooncakeKVSender``: ``__init__`` and ``init`` (the request of the room
@@ -55,7 +57,16 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVReceiver, MooncakeKVSender
 
 from lynx import settings
-from lynx.transfer import DuplicateRoomError, ReceiveCapacityError, RoomReport, Verdict, page_slots
+from lynx.threads import Survivor
+from lynx.transfer import (
+    DuplicateRoomError,
+    OfferBinding,
+    ReceiveCapacityError,
+    RoomError,
+    RoomReport,
+    Verdict,
+    page_slots,
+)
 from lynx.transfer.protocol import split_offer
 from lynx_patches import upstream
 from lynx_patches.errors import LynxConfigError
@@ -76,6 +87,7 @@ class LynxKVManager(MooncakeKVManager):
         self.lynx_settings = lynx_settings
         self.lynx: LynxRuntime | None = None  # set by lynx_attach, right after construction
         self.lynx_unreadable_messages = 0  # peer messages dropped before upstream's thread read them
+        self.lynx_survivor = Survivor(logger, "control-message hook")
         super().__init__(*args, **kwargs)
 
     def lynx_attach(self, runtime: LynxRuntime) -> None:
@@ -95,19 +107,35 @@ class LynxKVManager(MooncakeKVManager):
             msg = recv()
             if msg is None:
                 return None
-            receiver = self.lynx.receiver if self.lynx is not None else None
-            if receiver is not None and receiver.on_message(msg):
+            try:
+                return self._lynx_read(msg)
+            except Exception as exc:  # upstream's thread must outlive any one message
+                self.lynx_survivor.survived("reading a control message", exc)
                 return None
-            frames, offer = split_offer(msg)
-            unreadable = upstream.unreadable_peer_message(self, frames)
-            if unreadable is not None:
-                self._lynx_drop_unreadable(unreadable)
-                return None
-            if upstream.manager_is_prefill(self):
-                self._lynx_take_offer(frames, offer)
-            return frames
 
         return lynx_recv
+
+    def _lynx_read(self, msg: list[bytes]) -> list[bytes] | None:
+        """(Bootstrap/status thread) What upstream's thread reads of a peer's message
+        ``msg``: None for a Lynx notice (taken here), for one upstream would die of and,
+        with a key, for an ABORT from another decode than the room's; else its upstream
+        frames (a Lynx offer taken off them first)."""
+        receiver = self.lynx.receiver if self.lynx is not None else None
+        if receiver is not None and receiver.on_message(msg):
+            return None
+        frames, offer = split_offer(msg)
+        unreadable = upstream.unreadable_peer_message(self, frames)
+        if unreadable is not None:
+            self._lynx_drop_unreadable(unreadable)
+            return None
+        if upstream.manager_is_prefill(self):
+            aborted = upstream.aborted_room(frames)
+            sender = self.lynx.sender if self.lynx is not None else None
+            if aborted is not None and sender is not None and not sender.take_abort(*aborted):
+                return None
+            if not self._lynx_take_offer(frames, offer):
+                return None
+        return frames
 
     def _lynx_drop_unreadable(self, why: str) -> None:
         """A peer's message upstream's thread would have died of: dropped, counted, and
@@ -121,30 +149,26 @@ class LynxKVManager(MooncakeKVManager):
                 why,
             )
 
-    def _lynx_take_offer(self, frames: list[bytes], offer: bytes | None) -> None:
-        """Prefill: decode's per-request metadata arrived (with Lynx's offer, or without)."""
+    def _lynx_take_offer(self, frames: list[bytes], offer: bytes | None) -> bool:
+        """Prefill: decode's per-request metadata arrived (with Lynx's offer, or without);
+        whether upstream's thread may read it (with a key: not one whose offer is not
+        authentic, which would take the room in upstream's own state)."""
         meta = upstream.parse_metadata_frames(frames)
         if meta is None or meta.is_dummy:
-            return  # not a request's metadata, or a dummy rank: nothing is sent to it
+            return True  # not a request's metadata, or a dummy rank: nothing is sent to it
         sender = self.lynx.sender if self.lynx is not None else None
         if sender is None:
             logger.error(
                 "Lynx: room %s arrived before this prefill server's Lynx sender was ready", meta.room
             )
-            return
-        sender.take_offer(meta.room, offer, meta.endpoint, meta.session)
+            return True
+        return sender.take_metadata(meta.room, offer, meta.endpoint, meta.session)
 
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         super()._handle_node_failure(failed_bootstrap_addr)
         receiver = self.lynx.receiver if self.lynx is not None else None
         if receiver is not None:  # a dead prefill writes nothing more: its space is free
             receiver.peer_lost(failed_bootstrap_addr)
-
-    def _handle_abort_notification(self, msg: list[bytes]) -> bool:
-        room = upstream.aborted_room(msg)
-        if room is not None and self.lynx is not None and self.lynx.sender is not None:
-            self.lynx.sender.abort(room, "decode aborted the request")
-        return super()._handle_abort_notification(msg)
 
     # ---- prefill: the chunk copy becomes encode + lanes ----------------------------------
 
@@ -204,7 +228,11 @@ class LynxKVManager(MooncakeKVManager):
         receiver = self.lynx.receiver if self.lynx is not None else None
         if is_dummy or receiver is None:
             return frames
-        return receiver.append_offer(bootstrap_room, frames)
+        meta = upstream.parse_metadata_frames(frames)
+        if meta is None:  # a room out of range: register refused it, so it has no offer
+            return frames
+        # The offer is signed over where prefill will write and answer, as these frames say.
+        return receiver.append_offer(frames, OfferBinding(meta.room, meta.session, meta.endpoint))
 
 
 class LynxKVSender(MooncakeKVSender):
@@ -214,13 +242,23 @@ class LynxKVSender(MooncakeKVSender):
         super().__init__(*args, **kwargs)
         lynx = self.kv_mgr.lynx
         if lynx is not None and lynx.sender is not None:
-            lynx.sender.open_room(self.bootstrap_room)
+            try:
+                lynx.sender.open_room(self.bootstrap_room)
+            except RoomError as exc:  # a client's bootstrap_room: this request fails, alone
+                self._lynx_refuse(exc)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         super().init(num_kv_indices, aux_index)
         lynx = self.kv_mgr.lynx
         if lynx is not None and lynx.sender is not None:  # decode's slots: whole pages, as here
-            lynx.sender.size_room(self.bootstrap_room, num_kv_indices * lynx.page_size)
+            try:
+                lynx.sender.size_room(self.bootstrap_room, num_kv_indices * lynx.page_size)
+            except RoomError as exc:
+                self._lynx_refuse(exc)
+
+    def _lynx_refuse(self, exc: RoomError) -> None:
+        logger.error("Lynx: %s", exc)
+        upstream.fail_room(self.kv_mgr, self.bootstrap_room, f"Lynx: {exc}")
 
     def poll(self) -> int:
         status = super().poll()
@@ -331,7 +369,7 @@ class LynxKVReceiver(MooncakeKVReceiver):
             self._lynx_refused = f"Lynx: {exc}"
             upstream.fail_receiver_alone(self)
             return
-        except ReceiveCapacityError as exc:
+        except (ReceiveCapacityError, RoomError) as exc:
             self._lynx_fail(str(exc))
             return
         self._lynx_move(ReceiverStep.WAITING_SPACE)

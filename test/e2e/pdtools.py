@@ -3,17 +3,21 @@ modules' shared helpers."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from lynx.codec import KVLayout
 from lynx.tools import cluster
 from lynx.tools.cluster import ServerConfig, SingleServer, free_port, http_json, pd_body
 
@@ -144,6 +148,37 @@ def idle(server: SingleServer, kv_tokens: int | None = None) -> bool:
     transfer = s["lynx_transfer"]
     quiet = transfer["rooms"] == 0 and transfer["buffer_used"] == 0 and transfer.get("quarantined", 0) == 0
     return quiet and (kv_tokens is None or s["lynx_kv_available_tokens"] == kv_tokens)
+
+
+def kv_layout(model: Path) -> KVLayout:
+    """The KV layout of ``model`` (its config.json) in a BF16 pool."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return KVLayout(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, torch.bfloat16)
+
+
+def push_control(endpoint: str, messages: list[list[bytes]]) -> None:
+    """Send ``messages`` to a server's control socket at ``endpoint``, as any process that
+    reaches it can (:func:`lynx.tools.cluster.lynx_control_endpoint`)."""
+    import zmq  # a dependency of SGLang's, not of Lynx's core
+
+    context = zmq.Context()
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 10_000)  # every message out before close returns
+    socket.connect(endpoint)
+    for message in messages:
+        socket.send_multipart(message)
+    socket.close()
+    context.term()
+
+
+def in_background(call: Callable[[], dict]) -> Future:
+    """``call`` on a thread of its own; its future."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    return future
 
 
 def flush_cache(url: str) -> None:

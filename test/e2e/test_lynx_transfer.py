@@ -25,20 +25,18 @@ The router path (OpenAI API, streaming) with ``--lynx`` is in test_pd_cluster.py
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from conftest import SharedServers
 from pdtools import (
     PROMPTS,
@@ -48,13 +46,16 @@ from pdtools import (
     error_of,
     flush_cache,
     idle,
+    in_background,
+    kv_layout,
     pd_generate,
+    push_control,
     signal_group,
     state,
     wait_for,
 )
 
-from lynx.codec import CodecConfig, KVLayout
+from lynx.codec import CodecConfig
 from lynx.mode import Mode
 from lynx.tools.cluster import HOST, SingleServer, http_json, lynx_control_endpoint
 from lynx.transfer import RequestLayout
@@ -104,13 +105,6 @@ def servers(
 def idle_kv(servers: dict) -> dict[str, int]:
     """Free KV tokens of each Lynx decode server before any test request."""
     return {name: state(servers[name])["lynx_kv_available_tokens"] for name in ("D1", "D2", "DA")}
-
-
-def kv_layout(model: Path) -> KVLayout:
-    cfg = json.loads((model / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return KVLayout(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, torch.bfloat16)
 
 
 # ---- exactness and bytes ---------------------------------------------------------------
@@ -266,19 +260,6 @@ def test_servers_keep_serving_after_refusals(servers: dict, idle_kv: dict) -> No
 # ---- hostile peers, hang-ups --------------------------------------------------------------
 
 
-def _push(endpoint: str, messages: list[list[bytes]]) -> None:
-    import zmq  # a dependency of SGLang's, not of Lynx's core
-
-    context = zmq.Context()
-    socket = context.socket(zmq.PUSH)
-    socket.setsockopt(zmq.LINGER, 10_000)  # every message out before close returns
-    socket.connect(endpoint)
-    for message in messages:
-        socket.send_multipart(message)
-    socket.close()
-    context.term()
-
-
 def test_what_no_peer_should_send_ends_no_server(servers: dict, idle_kv: dict, tiny_model: Path) -> None:
     """Garbage on either server's control socket (noise, a 32 MiB frame, metadata whose port
     is not a number or whose page ids are 5 bytes, forged Lynx notices) is dropped, and a
@@ -305,8 +286,8 @@ def test_what_no_peer_should_send_ends_no_server(servers: dict, idle_kv: dict, t
     metadata = [str(room).encode(), b"127.0.0.1", b"1", b"forged:1", b"\0" * 4 * n_tokens, b"0", b"", b"1"]
     # the request whose room the offer claims, on prefill alone
     body = {"text": PROMPTS[2], "bootstrap_host": HOST, "bootstrap_port": prefill.bootstrap_port}
-    _in_background(lambda: _post_quietly(prefill.url + "/generate", {**body, "bootstrap_room": room}))
-    _push(
+    in_background(lambda: _post_quietly(prefill.url + "/generate", {**body, "bootstrap_room": room}))
+    push_control(
         lynx_control_endpoint(prefill.processes[0].log_path),
         [
             [b"\xff" * 64],
@@ -314,10 +295,13 @@ def test_what_no_peer_should_send_ends_no_server(servers: dict, idle_kv: dict, t
             [*metadata[:2], b"port", *metadata[3:]],
             [*metadata[:4], b"12345", *metadata[5:]],
             [b"WATERMARK", b"1"],
+            # room 2**64, twice (two nonces): it ended the bootstrap thread, no key needed
+            [str(1 << 64).encode(), *metadata[1:], TAG, replace(wraps, nonce=1).to_wire()],
+            [str(1 << 64).encode(), *metadata[1:], TAG, replace(wraps, nonce=2).to_wire()],
             [*metadata, TAG, wraps.to_wire()],
         ],
     )
-    _push(
+    push_control(
         lynx_control_endpoint(decode.processes[0].log_path),
         [
             [b"\xff" * 64],
@@ -374,13 +358,6 @@ def test_clients_that_hang_up_leave_nothing_behind(servers: dict, idle_kv: dict)
 # ---- faults -------------------------------------------------------------------------------
 
 
-def _in_background(call: Callable[[], dict]) -> Future:
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(call)
-    pool.shutdown(wait=False)
-    return future
-
-
 def _failure_of(future: Future) -> str:
     try:
         future.result(timeout=120)
@@ -392,7 +369,7 @@ def _failure_of(future: Future) -> str:
 
 
 def test_aborted_request_frees_everything(servers: dict, idle_kv: dict) -> None:
-    pending = _in_background(lambda: pd_generate(servers["P"], servers["D1"], PROMPTS[3], rid="lynx-abort"))
+    pending = in_background(lambda: pd_generate(servers["P"], servers["D1"], PROMPTS[3], rid="lynx-abort"))
     # Abort while its Residual is held on prefill.
     wait_for(lambda: state(servers["D1"])["lynx_transfer"]["rooms"] == 1, "receiving")
     http_json(servers["D1"].url + "/abort_request", {"rid": "lynx-abort"})
@@ -406,7 +383,7 @@ def test_aborted_request_frees_everything(servers: dict, idle_kv: dict) -> None:
 def test_stalled_prefill_hits_the_deadline(servers: dict, idle_kv: dict) -> None:
     prefill, decode = servers["P"], servers["D1"]
     anchors_before = state(decode)["lynx_transfer"]["anchor_bytes"]
-    pending = _in_background(lambda: pd_generate(prefill, decode, PROMPTS[3]))
+    pending = in_background(lambda: pd_generate(prefill, decode, PROMPTS[3]))
     # The Anchor landed, the Residual is held on prefill: freeze prefill now.
     wait_for(lambda: state(decode)["lynx_transfer"]["anchor_bytes"] > anchors_before, "Anchor landed")
     signal_group(prefill, signal.SIGSTOP)
@@ -421,8 +398,8 @@ def test_stalled_prefill_hits_the_deadline(servers: dict, idle_kv: dict) -> None
 
 def test_decode_killed_mid_transfer_fails_only_its_request(servers: dict, idle_kv: dict) -> None:
     prefill, victim = servers["P"], servers["D2"]
-    survivor = _in_background(lambda: pd_generate(prefill, servers["D1"], PROMPTS[3]))
-    doomed = _in_background(lambda: pd_generate(prefill, victim, PROMPTS[3]))
+    survivor = in_background(lambda: pd_generate(prefill, servers["D1"], PROMPTS[3]))
+    doomed = in_background(lambda: pd_generate(prefill, victim, PROMPTS[3]))
     wait_for(lambda: state(victim)["lynx_transfer"]["rooms"] == 1, "receiving")
     _kill(victim)
     assert _failure_of(doomed)
@@ -433,7 +410,7 @@ def test_decode_killed_mid_transfer_fails_only_its_request(servers: dict, idle_k
 
 def test_prefill_killed_mid_transfer_fails_only_its_request(servers: dict, idle_kv: dict) -> None:
     prefill, decode = servers["P"], servers["D1"]
-    doomed = _in_background(lambda: pd_generate(prefill, decode, PROMPTS[3]))
+    doomed = in_background(lambda: pd_generate(prefill, decode, PROMPTS[3]))
     wait_for(lambda: state(decode)["lynx_transfer"]["rooms"] == 1, "receiving")
     _kill(prefill)
     assert _failure_of(doomed)

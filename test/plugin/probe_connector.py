@@ -5,8 +5,10 @@ Prints ``PROBE-RESULT <json>``: what each case observed.
 """
 
 import json
+import logging
 from collections.abc import Sequence
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import torch
@@ -20,13 +22,15 @@ if is_cpu_engine():
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, KVTransferError
 from sglang.srt.disaggregation.common.utils import pack_int_lists
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from lynx.codec import CodecConfig, KVLayout
 from lynx.lanes import BatchState, LaneConfig, Transfer
+from lynx.threads import Survivor
 from lynx.transfer import Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Upstream, Verdict
 from lynx_patches import upstream
-from lynx_patches.mooncake_connector import RECEIVER_STEPS, LynxKVReceiver, LynxKVSender
+from lynx_patches.mooncake_connector import RECEIVER_STEPS, LynxKVManager, LynxKVReceiver, LynxKVSender
 
 ROOM = 4242
 PAGES = 6
@@ -169,6 +173,8 @@ def peer_messages() -> dict:
         "request, host not ASCII": [request[0], b"\xff", *request[2:]],
         "request, 5 index bytes": [*request[:4], b"12345", *request[5:]],
         "request, frames cut": request[:5],
+        "request, room 2**64": [str(1 << 64).encode(), *request[1:]],
+        "request, room -1": [b"-1", *request[1:]],
         "registration, frames cut": registration[:6],
         "watermark while staging is off": [b"WATERMARK", b"1", b"2"],
         "watermark, not digits": [b"WATERMARK", b"x", b"2"],
@@ -198,6 +204,71 @@ def peer_messages() -> dict:
     }
 
 
+class BuggySender:
+    """A Lynx bug on prefill's bootstrap thread: every offer raises."""
+
+    def take_metadata(self, *args: object) -> bool:
+        raise RuntimeError("a Lynx bug taking an offer")
+
+    def take_abort(self, room: int, peer: object) -> bool:
+        return room != 7  # with a key: room 7's ABORT names another decode
+
+
+class BuggyReceiver:
+    """A Lynx bug on decode's status thread: every notice raises."""
+
+    def on_message(self, frames: list[bytes]) -> bool:
+        if frames and frames[0] == b"LYNX1":
+            raise RuntimeError("a Lynx bug reading a notice")
+        return False
+
+
+def control_hook() -> dict:
+    """What upstream's bootstrap (prefill) and status (decode) threads read through Lynx's
+    hook from a run of peer messages: None for a message dropped, else the frames' count.
+    Old: an exception of Lynx's own ended the thread; the hook now drops that message."""
+    request = [b"42", b"10.0.0.1", b"7000", b"10.0.0.1:9", np.arange(3, dtype=np.int32).tobytes(), b"3"]
+    request += [pack_int_lists([], "i"), b"1"]
+    runs = {
+        "prefill": (
+            DisaggregationMode.PREFILL,
+            SimpleNamespace(receiver=None, sender=BuggySender()),
+            [
+                [str(1 << 64).encode(), *request[1:]],  # unreadable: dropped before anything
+                [*request, b"LYNX1", b"offer"],  # take_offer raises: dropped, thread goes on
+                [ABORT_TAG, b"7", b"10.0.0.66", b"9"],  # not the room's decode: dropped
+                [ABORT_TAG, b"8", b"10.0.0.1", b"7000"],
+            ],
+        ),
+        "decode": (
+            DisaggregationMode.DECODE,
+            SimpleNamespace(receiver=BuggyReceiver(), sender=None),
+            [[b"LYNX1", b"LANDED", b"x"], [b"42", b"2", b"0"]],
+        ),
+    }
+    out = {}
+    for side, (mode, lynx, messages) in runs.items():
+        manager = object.__new__(LynxKVManager)
+        manager.lynx, manager.disaggregation_mode, manager._staging_ctx = lynx, mode, None
+        manager.local_ip, manager.rank_port = "10.0.0.9", 1
+        manager.lynx_unreadable_messages = 0
+        manager.lynx_survivor = Survivor(logging.getLogger("probe"), "control-message hook")
+        queue = list(messages)
+
+        def upstream_recv(self: object, socket: object, timeout_ms: int = 500) -> object:
+            return lambda: queue.pop(0)
+
+        with mock.patch.object(MooncakeKVManager, "_make_worker_recv", upstream_recv):
+            recv = manager._make_worker_recv(None)
+        read = [recv() for _ in messages]
+        out[side] = {
+            "read": [None if frames is None else len(frames) for frames in read],
+            "survived": manager.lynx_survivor.count,
+            "unreadable": manager.lynx_unreadable_messages,
+        }
+    return out
+
+
 print(
     "PROBE-RESULT "
     + json.dumps(
@@ -209,6 +280,7 @@ print(
             "same_length": prefill_sizes_the_room(PAGES),
             "other_length": prefill_sizes_the_room(PAGES + 1),
             "peer_messages": peer_messages(),
+            "control_hook": control_hook(),
         }
     )
 )

@@ -66,3 +66,16 @@ def test_a_peer_message_upstream_would_die_of_is_refused_first(probe: dict) -> N
     assert prefill["watermark, not digits"] == "WATERMARK with fields that are not ASCII"
     assert {name for name, why in decode.items() if why is None} == {"status", "garbage", "aux data"}, decode
     assert decode["aux data, frames cut"] == "AUX_DATA with 2 frames, not 6"
+    for room in ("2**64", "-1"):  # upstream reads any digits; no u64 carries them
+        assert "room or port is out of range" in prefill[f"request, room {room}"]
+
+
+def test_the_control_message_hook_outlives_any_one_message(probe: dict) -> None:
+    """Old: a room of 2**64 raised out of Lynx's offer handling and ended prefill's bootstrap
+    thread (the server then took no request, yet looked healthy); so would any bug of
+    Lynx's on one message, on either side. Now the one message is dropped and counted,
+    and the thread reads the next; with a key, an ABORT from another decode than the
+    room's is not passed on."""
+    hook = probe["control_hook"]
+    assert hook["prefill"] == {"read": [None, None, None, 4], "survived": 1, "unreadable": 1}
+    assert hook["decode"] == {"read": [None, 3], "survived": 1, "unreadable": 0}

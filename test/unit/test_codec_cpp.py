@@ -387,3 +387,54 @@ def test_a_cpu_without_what_it_was_compiled_for_is_refused(monkeypatch, caplog) 
     assert not cpp_backend.available()
     (warning,) = _warnings(caplog)
     assert "needs avx10_9, which this CPU lacks" in warning
+
+
+def test_the_cpp_bindings_check_every_length_and_slot_they_are_given() -> None:
+    """Old: ``decode_rows`` checked neither the Anchor's size against the part's geometry nor
+    the slots against the rows, and neither binding the slots (callers guarded both): a
+    short buffer or a stray slot read or wrote out of bounds. Each now raises, naming it."""
+    config = CodecConfig(residual="int8")  # a fixed-width Residual: its length is checked too
+    rows = torch.randn(8, 64).to(torch.bfloat16)
+    kind = "value"
+    layout = part_layout(8, 64, kind, config, torch.bfloat16)
+    anchor = torch.zeros(layout.anchor_nbytes, dtype=torch.uint8)
+    residual = torch.zeros(layout.residual_nbytes, dtype=torch.uint8)
+    cpp_backend.encode_parts([PartIO(rows, kind, anchor, residual)], None, config)
+    out = torch.zeros(16, 64, dtype=torch.bfloat16)
+    slots = torch.arange(8, dtype=torch.int64)
+    cpp_backend.decode_parts([PartIO(out, kind, anchor, residual)], slots, config)
+    want = torch.zeros(8, 64, dtype=torch.bfloat16)
+    reference.decode_part(anchor, residual, kind, config, want)
+    assert torch.equal(out[:8], want)
+
+    cases = {
+        "anchor buffer of": PartIO(out, kind, anchor[: -1 - layout.anchor_nbytes // 2], residual),
+        "residual buffer of": PartIO(out, kind, anchor, residual[: layout.residual_nbytes // 2]),
+    }
+    for message, part in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            cpp_backend.decode_parts([part], slots, config)
+    for bad in (torch.tensor([0, 16]), torch.tensor([-1, 3]), torch.tensor([1 << 40])):
+        with pytest.raises(RuntimeError, match="is outside the 16 rows"):
+            cpp_backend.decode_parts([PartIO(out, kind, anchor, residual)], bad, config)
+        with pytest.raises(RuntimeError, match="is outside the 16 rows"):
+            cpp_backend.encode_parts([PartIO(out, kind, anchor.clone(), residual.clone())], bad, config)
+    module = cpp_backend.module()
+    geometry = ([False], config.group_size, config.key_block)
+    with pytest.raises(RuntimeError, match="anchor offsets out of order"):  # scales over the minimums
+        module.decode_rows(
+            [anchor], [residual], [out], slots, *geometry, 4, False, [0], [layout.codes_offset], 1
+        )
+    with pytest.raises(RuntimeError, match=r"anchor bits must be 2\.\.4"):
+        module.decode_rows(
+            [anchor],
+            [residual],
+            [out],
+            slots,
+            *geometry,
+            9,
+            False,
+            [layout.scales_offset],
+            [layout.codes_offset],
+            1,
+        )

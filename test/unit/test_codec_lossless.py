@@ -151,6 +151,20 @@ def test_corrupt_bodies_are_refused_on_every_path(name: str, monkeypatch: pytest
         assert not torch.equal(out.view(torch.int16), x.view(torch.int16))
 
 
+def test_a_header_with_no_whole_table_or_short_data_is_the_codecs_error() -> None:
+    """``read_header`` (the reference decoder's and the GPU path's host-side check) raised
+    numpy's bare ValueError for a body that holds no whole code table."""
+    fmt = lossless.word_format(torch.bfloat16)
+    _, _, residual = _coded()
+    body = bytes(residual.tolist())
+    for cut in (2, 3, 2 + fmt.table_nbytes - 1):  # a table count, then less than one table
+        with pytest.raises(CodecInputError, match="corrupt lossless residual"):
+            lossless.read_header(body[:cut], cut, 1024, fmt)
+    for given in (0, 1, 10):  # fewer bytes than the length claimed and the header needs
+        with pytest.raises(CodecInputError, match=f"{given} given"):
+            lossless.read_header(body[:given], len(body), 1024, fmt)
+
+
 def test_a_nan_word_in_a_raw_body_is_refused() -> None:
     x = torch.ones(2, 32, dtype=torch.bfloat16)
     enc = encode(x, CodecConfig(), kind="value")

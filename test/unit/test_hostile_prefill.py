@@ -25,7 +25,7 @@ from test_transfer_sender_receiver import (
 
 from lynx.codec import CodecConfig
 from lynx.lanes import BatchState
-from lynx.transfer import Handshake, NoticeKind, Verdict
+from lynx.transfer import Handshake, NoticeKind, RoomError, Verdict
 
 
 @pytest.fixture
@@ -223,3 +223,72 @@ def test_an_offer_replayed_after_its_reservation_ended_is_refused(pairs: Callabl
     with pytest.raises(ValueError, match="no accepted Lynx offer"):
         pair.sender.add_chunk(14, pair.pages(seed=14), True)
     assert len(pair.backend.written()) == written
+
+
+# ---- issue 46: no room number ends a thread; every thread that reads peer input survives --
+
+
+@pytest.mark.parametrize("room", [1 << 64, -1, (1 << 64) + 5])
+def test_a_room_outside_u64_is_refused_by_every_entry_that_takes_one(
+    pairs: Callable[..., Pair], room: int
+) -> None:
+    """Old: a room of 2**64 (upstream parses any digits) was held, then packed as a u64 and
+    ``struct.error`` escaped: from the bootstrap thread (two offers for it: the duplicate's
+    REJECT), the reaper (one that expired), or the scheduler (a client's ``bootstrap_room``
+    at decode's reserve or prefill's sizing)."""
+    pair = pairs()
+    offer = pair.reserve(1)
+    assert offer is not None
+    held = pair.receiver.stats().buffer_used
+    for take in (
+        lambda: pair.sender.take_offer(room, offer.to_wire(), DECODE_ENDPOINT, DECODE_SESSION),
+        lambda: pair.sender.open_room(room),
+        lambda: pair.sender.size_room(room, N_TOKENS),
+        lambda: pair.receiver.register(room, N_TOKENS, peer=PREFILL_ADDR),
+    ):
+        with pytest.raises(RoomError, match=r"is not an integer in 0\.\.2\*\*64-1"):
+            take()
+    assert pair.sender.stats().offers_waiting == 0 and pair.receiver.stats().buffer_used == held
+    serves_on(pair, 2)
+
+
+def test_the_reaper_survives_an_exception_from_one_room_and_goes_on(
+    pairs: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Old: any exception in the reaper's loop ended it; no RELEASED was sent after that and
+    no send space was freed again."""
+    pair = pairs(offer_wait_s=0.05)
+    offer = pair.reserve(3)
+    assert offer is not None
+    real_release = pair.sender._release
+    broken = {3}
+
+    def release(room: int) -> None:
+        if room in broken:
+            raise RuntimeError(f"a bug releasing room {room}")
+        real_release(room)
+
+    monkeypatch.setattr(pair.sender, "_release", release)
+    real_drop = pair.sender._drop_offer
+
+    def drop(room: int, held: object, reason: str) -> None:
+        if room == 5:
+            raise RuntimeError("a bug dropping an expired offer")
+        real_drop(room, held, reason)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pair.sender, "_drop_offer", drop)
+    early = pair.reserve(5)
+    assert early is not None
+    pair.sender.take_offer(5, early.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)  # expires at once
+    with caplog.at_level("ERROR", logger="lynx.transfer.sender"):
+        pair.answer(3, offer.to_wire())
+        pair.send(3, offer, pair.pages(seed=3), [N_TOKENS])
+        assert pair.wait_verdict(3, Verdict.READY) is None
+        wait_for(lambda: pair.sender._reaper_survivor.count >= 2, "the reaper to meet both bugs")
+        serves_on(pair, 4)  # later rooms are still released, by the same thread
+        pair.receiver.forget(4)
+        pair.wait_released(4)
+    assert pair.sender._reaper.is_alive()
+    logged = [r.getMessage() for r in caplog.records if "sender reaper" in r.getMessage()]
+    assert len(logged) == 2, logged  # each kind once, not once a pass
+    assert "releasing room 3 raised RuntimeError: a bug releasing room 3" in logged[0] + logged[1]

@@ -582,7 +582,10 @@ def test_a_failed_driver_pass_fails_open_requests_and_the_driver_goes_on(fake, m
         return real_plan(now)
 
     monkeypatch.setattr(lanes, "_plan", plan_once_broken)
-    lanes.submit("a", Lane.LOW, [(SRC, DST + 32, 16)], last=True)
+    try:
+        lanes.submit("a", Lane.LOW, [(SRC, DST + 32, 16)], last=True)
+    except StreamClosedError:
+        pass  # on a busy host the broken pass ran first: it failed the open request already
     status = lanes.wait("a", Lane.LOW, 5)
     assert status.state is StreamState.FAILED
     assert status.error == "lanes driver error: RuntimeError: planning bug"

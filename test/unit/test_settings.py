@@ -1,4 +1,6 @@
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -153,6 +155,9 @@ def test_the_auth_key_is_read_from_its_file_and_never_travels_in_the_settings(tm
         (b"", 0o600, "a key is 16..4096 bytes, the file holds 0 (not counting surrounding whitespace)"),
         (b" short key \n", 0o600, "the file holds 9"),
         (b"x" * 4097, 0o600, "the file holds 4097"),
+        # whitespace at the limit used to cut the file there, taking its first 4,096 bytes
+        (b"x" * 4096 + b" " + b"y" * 100, 0o600, "the file holds 4197"),
+        (b"x" * 32 + b" " * 8192, 0o600, "the file is over 8192 bytes"),
         (b"k" * 32, 0o644, "other users may read or write it (mode 644); chmod o-rwx "),
         (b"k" * 32, 0o602, "other users may read or write it (mode 602)"),
     ],
@@ -165,6 +170,29 @@ def test_a_bad_auth_key_file_is_refused_naming_the_flag(
         LynxSettings(auth_key_file=path).auth_key()
     assert str(caught.value).startswith(f"--lynx-auth-key-file {path}: ")
     assert message in str(caught.value)
+
+
+def test_a_fifo_as_the_auth_key_file_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    path = tmp_path / "lynx.key"
+    os.mkfifo(path, 0o600)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            LynxSettings(auth_key_file=str(path)).auth_key()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5.0)
+    if reader.is_alive():  # unblock the reader so the test run does not hang with it
+        with open(path, "wb"):
+            pass
+        pytest.fail("reading a FIFO key file waited for a writer")
+    assert isinstance(outcome[0], LynxSettingsError)
+    assert str(outcome[0]) == f"--lynx-auth-key-file {path}: not a regular file"
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from test_transfer_sender_receiver import (
     reference_rows,
 )
 
-from lynx.transfer import Notice, NoticeKind, Offer, Stream, Upstream, Verdict, page_slots
+from lynx.transfer import Notice, NoticeKind, Offer, OfferBinding, Stream, Upstream, Verdict, page_slots
 from lynx.transfer.auth import AuthKey
 
 KEY = AuthKey(b"the pair's shared key, 32 bytes!")
@@ -47,7 +47,7 @@ def decodes_exactly(pair: Pair, room: int, pages: np.ndarray) -> None:
 def test_a_keyed_pair_works_end_to_end_and_signs_every_message(pairs: Callable[..., Pair]) -> None:
     pair = pairs(keys=(KEY, KEY))
     offer = pair.offer(1)
-    assert offer.verify(KEY, 1)
+    assert offer.verify(KEY, OfferBinding(1, DECODE_SESSION, DECODE_ENDPOINT))
     pages = pair.pages(seed=1)
     pair.send(1, offer, pages, [300, 300])
     decodes_exactly(pair, 1, pages)
@@ -108,13 +108,15 @@ def test_forged_offers_take_no_room_and_the_real_one_is_answered(pairs: Callable
     forger = dataclasses.replace(offer, anchor_addr=offer.anchor_addr + (1 << 20), mac=b"")
     other_room = pair.reserve(4)  # signed for room 4, replayed for room 3
     assert other_room is not None
-    for forged in (forger, forger.signed(OTHER, 3), other_room):
+    binding = OfferBinding(3, "forger:1", DECODE_ENDPOINT)
+    for forged in (forger, forger.signed(OTHER, binding), other_room):
         assert pair.sender.take_offer(3, forged.to_wire(), DECODE_ENDPOINT, "forger:1") is None
     assert pair.sender.stats().dropped_offers == {"unsigned": 1, "bad_signature": 2}
     assert pair.sender.stats().offers_waiting == 0  # none took a place among the waiting offers
     assert pair.sender.refusal(3) == (
-        f"decode's Lynx offer for room 3 was dropped: {WHERE}'s offer for room 3 is not signed with "
-        "this server's key: forged, or altered on the way"
+        f"decode's Lynx offer for room 3 was dropped: {WHERE}'s offer for room 3 (session forger:1) "
+        "is not signed with this server's key: forged, replayed with another session or notice "
+        "endpoint, or altered on the way"
     )
     assert pair.notices == []  # a forger hears nothing
     assert pair.answer(3, offer.to_wire()) == offer
@@ -195,3 +197,93 @@ def test_early_offers_have_a_quota_per_decode_session(pairs: Callable[..., Pair]
     )
     pair.sender.open_room(1000 + 4095)
     assert isinstance(pair.sender.size_room(1000 + 4095, N_TOKENS), Offer | str)
+
+
+def test_a_captured_offer_replayed_with_another_session_or_notice_endpoint_is_dropped(
+    pairs: Callable[..., Pair],
+) -> None:
+    """Old: the MAC covered the room and the offer, not where the KV and notices go. Re-sent
+    first with the attacker's Mooncake session, the captured offer made prefill write the
+    prompt's KV to the attacker's engine; with decode's session but another notice endpoint,
+    decode never heard ACCEPT and freed the space that prefill's late writes then overwrote."""
+    pair = pairs(keys=(KEY, KEY))
+    offer = pair.reserve(8)
+    assert offer is not None
+    captured = offer.to_wire()
+    assert pair.sender.take_offer(8, captured, DECODE_ENDPOINT, "attacker:1") is None
+    assert pair.sender.take_offer(8, captured, ("10.0.0.66", 9000), DECODE_SESSION) is None
+    assert pair.sender.take_offer(8, captured, (DECODE_ENDPOINT[0], 9001), DECODE_SESSION) is None
+    assert pair.sender.stats().dropped_offers == {"bad_signature": 3}
+    assert pair.sender.stats().offers_waiting == 0  # none took the room
+    assert pair.notices == []
+    assert pair.answer(8, captured) == offer  # decode's own message, as it was sent, is answered
+    pages = pair.pages(seed=8)
+    pair.send(8, offer, pages, [N_TOKENS])
+    decodes_exactly(pair, 8, pages)
+
+
+def test_with_a_key_an_offerless_metadata_message_takes_no_room(pairs: Callable[..., Pair]) -> None:
+    """Old: an unsigned metadata message without an offer, arriving first, held the room, and
+    the real signed offer was then refused ("another offer for room N came first")."""
+    pair = pairs(keys=(KEY, KEY))
+    offer = pair.reserve(9)
+    assert offer is not None
+    assert pair.sender.take_offer(9, None, ("10.0.0.66", 9000), "attacker:1") is None
+    # nor in upstream's own state: the glue keeps such a message from upstream's thread
+    assert not pair.sender.take_metadata(9, None, ("10.0.0.66", 9000), "attacker:1")
+    assert not pair.sender.take_metadata(9, offer.to_wire(), ("10.0.0.66", 9000), "attacker:1")
+    assert pair.sender.stats().dropped_offers == {"unsigned": 2, "bad_signature": 1}
+    assert pair.sender.stats().offers_waiting == 0
+    assert pair.answer(9, offer.to_wire()) == offer
+    pages = pair.pages(seed=9)
+    pair.send(9, offer, pages, [N_TOKENS])
+    decodes_exactly(pair, 9, pages)
+    # alone, it fails its own request saying why
+    pair.sender.take_offer(10, None, DECODE_ENDPOINT, DECODE_SESSION)
+    unkeyed = pairs()  # without a key upstream reads it (a decode without Lynx is served)
+    assert unkeyed.sender.take_metadata(10, None, DECODE_ENDPOINT, DECODE_SESSION)
+    pair.sender.open_room(10)
+    assert pair.sender.size_room(10, N_TOKENS) is None
+    refusal = pair.sender.refusal(10)
+    assert refusal is not None and "this prefill server takes only signed offers" in refusal
+
+
+def test_with_a_key_an_abort_is_honoured_only_from_the_rooms_decode(pairs: Callable[..., Pair]) -> None:
+    """Old: upstream's unauthenticated ABORT for any room stopped its Lynx transfer."""
+    pair = pairs(keys=(KEY, KEY))
+    offer = pair.offer(11)
+    assert not pair.sender.take_abort(11, ("10.0.0.66", 9000))
+    assert not pair.sender.take_abort(11, None)
+    assert pair.sender.stats().dropped_offers == {"foreign_abort": 2}
+    pages = pair.pages(seed=11)
+    pair.send(11, offer, pages, [N_TOKENS])
+    decodes_exactly(pair, 11, pages)  # the transfer went on
+    assert pair.sender.take_abort(12, ("10.0.0.66", 9000))  # no offer here: nothing of ours to stop
+    second = pair.offer(13)
+    assert pair.sender.take_abort(13, DECODE_ENDPOINT)  # decode's own: the room stops
+    assert NoticeKind.RELEASED in pair.kinds(13) and second is not None
+
+
+def test_without_a_key_an_abort_is_honoured_as_upstream_honours_it(pairs: Callable[..., Pair]) -> None:
+    pair = pairs()
+    pair.offer(14)
+    assert pair.sender.take_abort(14, ("10.0.0.66", 9000))
+    assert NoticeKind.RELEASED in pair.kinds(14)
+
+
+def test_waiting_offers_are_bounded_in_bytes(pairs: Callable[..., Pair]) -> None:
+    """Old: 4,096 waiting offers with 64 KiB session names held ~269 MB."""
+    pair = pairs()
+    offer = pair.reserve(1)
+    assert offer is not None
+    long_session = "s" * 60_000
+    for room in range(100, 200):
+        pair.sender.take_offer(room, offer.to_wire(), DECODE_ENDPOINT, f"{long_session}{room}")
+    stats = pair.sender.stats()
+    budget = harness.sender_module._EARLY_OFFER_BYTES
+    assert stats.dropped_offers.get("budget", 0) > 0
+    assert stats.offers_waiting * 60_000 <= budget
+    pair.sender.open_room(199)
+    assert pair.sender.size_room(199, N_TOKENS) is None
+    refusal = pair.sender.refusal(199)
+    assert refusal is not None and f"hold more than {budget} bytes" in refusal

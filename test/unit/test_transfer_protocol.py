@@ -24,13 +24,17 @@ from lynx.transfer import (
     Notice,
     NoticeKind,
     Offer,
+    OfferBinding,
     ProtocolError,
     RequestLayout,
+    RoomError,
     Stream,
+    check_room,
 )
 from lynx.transfer.auth import NO_KEY, AuthKey
 from lynx.transfer.protocol import (
     CHECKSUM_BLOCK_WORDS,
+    HANDSHAKE_MAX_NBYTES,
     NOTICE_TEXT_MAX,
     TAG,
     append_offer,
@@ -67,7 +71,7 @@ NONCE_LE = "1817161514131211"
 
 
 def test_protocol_version_and_tag_are_pinned() -> None:
-    assert PROTOCOL_VERSION == 6
+    assert PROTOCOL_VERSION == 7
     assert CHECKSUM_BLOCK_WORDS == 1024
     assert TAG == b"LYNX1"
     assert SEGMENT_TOKENS == 256
@@ -75,7 +79,7 @@ def test_protocol_version_and_tag_are_pinned() -> None:
 
 def test_handshake_wire_bytes_are_pinned() -> None:
     assert HANDSHAKE.to_wire().hex() == (
-        "4c584853" "06" "00"  # b"LXHS", protocol v6, mode full
+        "4c584853" "07" "00"  # b"LXHS", protocol v7, mode full
         "00"  # flags: no checksums
         "00000000" "00000000"  # protect_first 0, protect_last 0
         "0000000000000000"  # key id: signs nothing
@@ -83,7 +87,7 @@ def test_handshake_wire_bytes_are_pinned() -> None:
         "4c584c" "03" "0400" "0200" "4000" "00"  # b"LXL" v3, 4 layers, 2 heads, head_dim 64, bf16
     )  # fmt: skip
     assert ODD.to_wire().hex() == (
-        "4c584853" "06" "01"  # anchor-only
+        "4c584853" "07" "01"  # anchor-only
         "01"  # flags: checksums
         "04000000" "2c010000"  # protect_first 4, protect_last 300
         "0102030405060708"  # key id
@@ -114,10 +118,10 @@ def test_handshake_round_trips(handshake: Handshake) -> None:
     [
         (lambda w: w[:5], "too short"),
         (lambda w: b"LXHT" + w[4:], "not a Lynx handshake"),
-        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v6"),
-        (lambda w: w[:4] + bytes([4]) + w[5:], "protocol v4, this server v6"),
-        (lambda w: w[:4] + bytes([5]) + w[5:], "protocol v5, this server v6"),
-        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v6"),  # any version's head
+        (lambda w: w[:4] + bytes([1]) + w[5:], "protocol v1, this server v7"),
+        (lambda w: w[:4] + bytes([4]) + w[5:], "protocol v4, this server v7"),
+        (lambda w: w[:4] + bytes([5]) + w[5:], "protocol v5, this server v7"),
+        (lambda w: w[:4] + bytes([1]) + w[5:6], "protocol v1, this server v7"),  # any version's head
         (lambda w: w[:5] + bytes([9]) + w[6:], "unknown Lynx mode code 9"),
         (lambda w: w[:10], "10 bytes, too short"),  # truncated protection
         (lambda w: w[:6] + bytes([2]) + w[7:], "unknown Lynx handshake flags 0x02"),
@@ -248,14 +252,14 @@ def test_an_offer_of_another_version_is_named() -> None:
     codec_and_layout = CodecConfig().to_wire() + LAYOUT.to_wire()
     v2_handshake = b"LXHS" + bytes([2, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
     v2_offer = struct.pack("<H", 36) + v2_handshake + struct.pack("<QQQQQ", 64, 128, 192, 256, 10)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v6"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v2, this server v7"):
         Offer.from_wire(v2_offer)
     # A v4 offer has the same body: its 37-byte handshake is named when it is parsed.
     v4_handshake = b"LXHS" + bytes([4, 0, 0]) + struct.pack("<II", 0, 0) + codec_and_layout
     v4_offer = struct.pack("<H", 37) + v4_handshake + struct.pack("<QQQQQQ", 1, 64, 128, 192, 256, 10)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v6"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v7"):
         parse_handshake(Offer.from_wire(v4_offer).handshake)
-    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v6"):
+    with pytest.raises(ProtocolError, match="peer speaks Lynx protocol v4, this server v7"):
         Handshake.key_id_of(v4_handshake)
 
 
@@ -266,20 +270,50 @@ def hmac_of(label: bytes, data: bytes) -> bytes:
     )
 
 
-def test_a_signed_offer_carries_a_mac_over_its_room_and_fields() -> None:
+def test_a_signed_offer_carries_a_mac_over_where_it_sends_and_its_fields() -> None:
     offer = Offer(HANDSHAKE.signed_with(KEY).to_wire(), NONCE, 0x1000, 4096, 0x2000, 8192, 300)
-    signed = offer.signed(KEY, ROOM)
+    bound = OfferBinding(ROOM, "10.0.0.2:16001", ("10.0.0.2", 17000))
+    signed = offer.signed(KEY, bound)
     unsigned = offer.to_wire()
-    assert signed.to_wire() == unsigned + hmac_of(b"OFFER", bytes.fromhex(ROOM_LE) + unsigned)
+    binding_wire = (  # <QHHH room, session and host lengths, port; then the two names
+        bytes.fromhex(ROOM_LE)
+        + (14).to_bytes(2, "little")
+        + (8).to_bytes(2, "little")
+        + (17000).to_bytes(2, "little")
+        + b"10.0.0.2:16001"
+        + b"10.0.0.2"
+    )
+    assert bound.to_bytes() == binding_wire
+    assert signed.to_wire() == unsigned + hmac_of(b"OFFER", binding_wire + unsigned)
     assert Offer.from_wire(signed.to_wire()) == signed
-    assert signed.verify(KEY, ROOM)
-    assert not offer.verify(KEY, ROOM)  # unsigned
-    assert not signed.verify(KEY, ROOM + 1)  # replayed for another room
-    assert not signed.verify(AuthKey(b"another key of 16+ bytes"), ROOM)
+    assert signed.verify(KEY, bound)
+    assert not offer.verify(KEY, bound)  # unsigned
+    # replayed for another room, to another Mooncake session, or naming another notice endpoint
+    assert not signed.verify(KEY, dataclasses.replace(bound, room=ROOM + 1))
+    assert not signed.verify(KEY, dataclasses.replace(bound, session="10.0.0.66:16001"))
+    assert not signed.verify(KEY, dataclasses.replace(bound, endpoint=("10.0.0.66", 17000)))
+    assert not signed.verify(KEY, dataclasses.replace(bound, endpoint=("10.0.0.2", 17001)))
+    assert not signed.verify(AuthKey(b"another key of 16+ bytes"), bound)
     moved = dataclasses.replace(signed, anchor_addr=0x3000)  # any field changed on the way
-    assert not Offer.from_wire(moved.to_wire()).verify(KEY, ROOM)
+    assert not Offer.from_wire(moved.to_wire()).verify(KEY, bound)
     with pytest.raises(ProtocolError, match="malformed Lynx offer"):
         Offer.from_wire(signed.to_wire()[:-1])  # a MAC is 32 bytes or absent
+    # a binding no message can carry verifies nothing (and raises nothing)
+    assert not signed.verify(KEY, dataclasses.replace(bound, room=1 << 64))
+    assert not signed.verify(KEY, dataclasses.replace(bound, session="s\u00e9ssion"))
+
+
+@pytest.mark.parametrize("room", [-1, 1 << 64, 1 << 70, True, 1.0])
+def test_a_room_outside_u64_is_refused_naming_it(room: object) -> None:
+    with pytest.raises(RoomError, match=r"is not an integer in 0\.\.2\*\*64-1"):
+        check_room(room)  # type: ignore[arg-type]
+    assert check_room(0) == 0 and check_room((1 << 64) - 1) == (1 << 64) - 1
+
+
+def test_an_offer_with_a_handshake_over_the_limit_is_refused_before_it_is_read() -> None:
+    long = Offer(b"x" * (HANDSHAKE_MAX_NBYTES + 1), NONCE, 64, 128, 192, 256, 10)
+    with pytest.raises(ProtocolError, match=f"handshake is {HANDSHAKE_MAX_NBYTES + 1} bytes, at most"):
+        Offer.from_wire(long.to_wire())
 
 
 def test_append_and_split_offer() -> None:

@@ -372,11 +372,11 @@ def test_accept_with_other_settings_fails_naming_both() -> None:
 
 def test_accept_with_an_unreadable_handshake_fails() -> None:
     t = tracker("full", accepted=False)
-    t.on_notice(Notice(NoticeKind.ACCEPT, 7, NONCE, handshake=b"LXHS\x07\x00"), PEER, now=1.0)
+    t.on_notice(Notice(NoticeKind.ACCEPT, 7, NONCE, handshake=b"LXHS\x08\x00"), PEER, now=1.0)
     assert t.state is S.FAILED
     assert t.error is not None
     assert f"prefill {PEER} sent a Lynx handshake this server cannot read" in t.error
-    assert "protocol v7" in t.error
+    assert "protocol v8" in t.error
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from lynx.transfer import (
     Notice,
     NoticeKind,
     Offer,
+    OfferBinding,
     ProgressiveReceiver,
     ProgressiveSender,
     ReceiveCapacityError,
@@ -38,7 +39,7 @@ from lynx.transfer import (
 from lynx.transfer import sender as sender_module
 from lynx.transfer.arena import ByteArena
 from lynx.transfer.auth import AuthKey
-from lynx.transfer.protocol import TAG, checksum_values, span_checksum
+from lynx.transfer.protocol import TAG, checksum_values, span_checksum, split_offer
 
 LAYERS, HEADS, HEAD_DIM, ROWS = 4, 2, 64, 2048
 LAYOUT = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
@@ -273,9 +274,17 @@ class Pair:
         return [n.kind for n in notices if n.kind is not NoticeKind.LAYERS]
 
     def reserve(self, room: int, n_tokens: int = N_TOKENS) -> Offer | None:
-        """Decode takes the request and reserves its space (None: none is free)."""
+        """Decode takes the request and reserves its space (None: none is free); the offer
+        as its metadata message carries it (signed, with a key)."""
         self.receiver.register(room, n_tokens, peer=PREFILL_ADDR)
-        return self.receiver.reserve(room)
+        return None if self.receiver.reserve(room) is None else self.sent_offer(room)
+
+    def sent_offer(self, room: int, session: str = DECODE_SESSION) -> Offer:
+        """The room's offer as decode appends it to its metadata message from ``session``."""
+        frames = self.receiver.append_offer([], OfferBinding(room, session, DECODE_ENDPOINT))
+        offer_bytes = split_offer(frames)[1]
+        assert offer_bytes is not None
+        return Offer.from_wire(offer_bytes)
 
     def answer(self, room: int, offer_bytes: bytes | None, n_tokens: int = N_TOKENS) -> Offer | str | None:
         """Decode's metadata reaches prefill before prefill's request of ``n_tokens``
@@ -1019,7 +1028,7 @@ def test_unreadable_and_missing_offers_are_refused(pairs: Callable[..., Pair]) -
     bad_handshake = Offer(b"LXHS\x01\x00", 5, 64, 64, 128, 64, 1).to_wire()
     reason = pair.answer(9, bad_handshake)
     assert isinstance(reason, str) and reason.startswith("cannot read")
-    assert "peer speaks Lynx protocol v1, this server v6" in reason
+    assert "peer speaks Lynx protocol v1, this server v7" in reason
     assert [(n.kind, n.nonce) for n in pair.notices if n.room == 9] == [(NoticeKind.REJECT, 5)]
     reason = pair.answer(10, None)
     assert isinstance(reason, str) and "--lynx" in reason

@@ -360,15 +360,20 @@ def _read_tables(data: bytes, length: int, fmt: WordFormat) -> tuple[np.ndarray,
     table, in order, is refused."""
     if length < 2:
         raise CodecInputError("corrupt lossless residual: a coded part body without its table count")
+    _check_given(data, 2)
     count = data[1]
     if count > fmt.symbols:
         raise CodecInputError(f"corrupt lossless residual: {count} code tables for {fmt.symbols} contexts")
     whole = min(count, (length - 2) // fmt.table_nbytes)  # the tables inside the body
-    raw = np.frombuffer(data, dtype=np.uint8, count=whole * fmt.table_nbytes, offset=2).reshape(whole, -1)
+    _check_given(data, 2 + whole * fmt.table_nbytes)
+    raw = np.frombuffer(data, dtype=np.uint8, count=whole * fmt.table_nbytes, offset=2)
+    raw = raw.reshape(whole, fmt.table_nbytes)  # whole may be 0: no -1 to infer
     contexts = raw[:, 0].astype(np.int64)
     nibbles = raw[:, 1:]
     lengths = (
-        np.stack([nibbles & 0xF, nibbles >> 4], axis=2).reshape(whole, -1)[:, : fmt.symbols].astype(np.int64)
+        np.stack([nibbles & 0xF, nibbles >> 4], axis=2)
+        .reshape(whole, 2 * nibbles.shape[1])[:, : fmt.symbols]
+        .astype(np.int64)
     )
     previous = np.concatenate([[-1], contexts[:-1]])
     disordered = (contexts <= previous) | (contexts >= fmt.symbols)
@@ -387,6 +392,15 @@ def _read_tables(data: bytes, length: int, fmt: WordFormat) -> tuple[np.ndarray,
     if whole < count:
         raise CodecInputError("corrupt lossless residual: its tables run past the part body")
     return contexts, lengths, 2 + count * fmt.table_nbytes
+
+
+def _check_given(data: bytes, nbytes: int) -> None:
+    """``data`` holds the body's first ``nbytes`` bytes: a caller that passes fewer than
+    the header it claims gets the codec's error, not numpy's."""
+    if len(data) < nbytes:
+        raise CodecInputError(
+            f"lossless residual: the header needs the body's first {nbytes} bytes, {len(data)} given"
+        )
 
 
 def _complete(lengths: np.ndarray) -> np.ndarray:
@@ -409,6 +423,7 @@ def _read_blocks(data: bytes, length: int, at: int, values: int) -> tuple[list[i
     count = blocks_of(values)
     if at + 2 * count > length:
         raise CodecInputError("corrupt lossless residual: its block table runs past the part body")
+    _check_given(data, at + 2 * count)
     counts = np.frombuffer(data, dtype="<u2", count=count, offset=at)
     ends = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
     at += 2 * count

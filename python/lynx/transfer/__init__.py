@@ -11,14 +11,18 @@
 from lynx.transfer.arena import ArenaError, ByteArena
 from lynx.transfer.protocol import (
     PROTOCOL_VERSION,
+    ROOM_LIMIT,
     SEGMENT_TOKENS,
     Handshake,
     Notice,
     NoticeKind,
     Offer,
+    OfferBinding,
     ProtocolError,
     RequestLayout,
+    RoomError,
     Stream,
+    check_room,
 )
 from lynx.transfer.receive_state import RECEIVE_TRANSITIONS, ReceiveState, ReceiveTracker, Upstream, Verdict
 from lynx.transfer.receiver import (
@@ -34,6 +38,7 @@ from lynx.transfer.sender import ProgressiveSender, SenderStats, page_slots
 __all__ = [
     "PROTOCOL_VERSION",
     "RECEIVE_TRANSITIONS",
+    "ROOM_LIMIT",
     "SEGMENT_TOKENS",
     "ArenaError",
     "ByteArena",
@@ -42,6 +47,7 @@ __all__ = [
     "Notice",
     "NoticeKind",
     "Offer",
+    "OfferBinding",
     "ProgressiveReceiver",
     "ProgressiveSender",
     "ProtocolError",
@@ -51,10 +57,12 @@ __all__ = [
     "ReceiveTracker",
     "ReceiverStats",
     "RequestLayout",
+    "RoomError",
     "RoomReport",
     "SenderStats",
     "Stream",
     "Upstream",
     "Verdict",
+    "check_room",
     "page_slots",
 ]

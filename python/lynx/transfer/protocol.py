@@ -1,4 +1,4 @@
-"""Lynx's control messages between a prefill and a decode server (protocol v6).
+"""Lynx's control messages between a prefill and a decode server (protocol v7).
 
 SGLang's Mooncake connector already carries, over ZMQ, a per-request metadata message
 from decode to prefill (the room, decode's page ids, the aux slot) and status messages
@@ -53,18 +53,27 @@ LANDED     ``<QQBBQI`` room, nonce, stream (0 Anchor, 1 Residual), ok (1/0), byt
 RELEASED   ``<QQ`` room, nonce
 =========  =====================================================================
 
+**Rooms** are upstream's ``bootstrap_room``: an integer in ``[0, 2**64)`` (``ROOM_LIMIT``),
+a ``<Q`` on the wire. :func:`check_room` refuses any other, naming it, at every entry that
+takes a room from a peer or a client.
+
 **Signatures** (opt-in: a server started with ``--lynx-auth-key-file``, see
 :mod:`lynx.transfer.auth`). A signed message is its unsigned form followed by an
-HMAC-SHA256: an offer's 32 bytes close the offer, over ``b"OFFER"``, the room (``<Q``,
-from upstream's metadata, which the offer does not carry) and the offer's fields before
-the MAC; a notice's are a fourth frame ``[TAG, kind, payload, MAC]``, over the kind and
-the payload (room, nonce and every field). A server with a key drops every message
-without its MAC; one without a key ignores a MAC, having nothing to check it with.
+HMAC-SHA256: an offer's 32 bytes close the offer, over ``b"OFFER"``, where its KV and
+notices go (:class:`OfferBinding`, from upstream's metadata frames, which the offer does
+not repeat: ``<QHHH`` room, the lengths of decode's Mooncake session name and notice host,
+the notice port, then those two names in ASCII) and the offer's fields before the MAC;
+prefill checks it against the frames it received, so a captured offer cannot be re-sent
+naming another session or notice endpoint. A notice's MAC is a fourth frame ``[TAG,
+kind, payload, MAC]``, over the kind and the payload (room, nonce and every field). A
+server with a key drops every message without its MAC (a metadata message without an
+offer included); one without a key ignores a MAC, having nothing to check it with.
 
-v6 added LAYERS: prefill sends the Residual stream layer by layer (each segment's first
-layer, then each one's next, ...; its earlier chunks' Residuals may go whole before that)
-and reports each prefix of layers that landed; v5 added the key id to the handshake and
-the signatures; v4 let a segment's Residual
+v7 bound the offer's MAC to decode's session and notice endpoint and limited an offer's
+handshake to ``HANDSHAKE_MAX_NBYTES``; v6 added LAYERS: prefill sends the Residual stream
+layer by layer (each segment's first layer, then each one's next, ...; its earlier
+chunks' Residuals may go whole before that) and reports each prefix of layers that
+landed; v5 added the key id to the handshake and the signatures; v4 let a segment's Residual
 travel shorter than its space (the codec's lossless ``exact`` Residual, codec wire
 version 2): LANDED counts the bytes that travelled; v3
 added the nonce, the checksums and the handshake's flags byte; v2 added the
@@ -129,12 +138,17 @@ from lynx.codec.format import CONFIG_WIRE_NBYTES
 from lynx.mode import Mode
 from lynx.transfer.auth import KEY_ID_NBYTES, MAC_NBYTES, NO_KEY, AuthKey
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 TAG = b"LYNX1"
 SEGMENT_TOKENS = 256
 """Tokens per encoded segment: a multiple of every allowed ``key_block`` (<= 256)."""
 CHECKSUM_BLOCK_WORDS = 1024
 """32-bit words per weighted block of :func:`span_checksum` (4 KiB)."""
+ROOM_LIMIT = 1 << 64
+"""Rooms are ``[0, ROOM_LIMIT)``: a u64 in every message."""
+HANDSHAKE_MAX_NBYTES = 256
+"""The longest handshake an offer may carry (this version's is 45 bytes): an offer held
+for a room with no request yet costs prefill no more than this and the offer's fixed part."""
 NOTICE_TEXT_MAX = 4096
 """Most bytes of a notice's free-form part (an ACCEPT's handshake, a REJECT's reason, a
 LANDED's error) that a receiver reads: a sender cuts longer text."""
@@ -149,8 +163,8 @@ _HANDSHAKE_MAGIC = b"LXHS"
 _OFFER_HEAD = struct.Struct("<H")
 _OFFER_BODY = struct.Struct("<QQQQQQ")
 _RESERVATION = struct.Struct("<QQ")  # room, nonce: the head of every notice
-_ROOM = struct.Struct("<Q")
 _OFFER_LABEL = b"OFFER"
+_BINDING_HEAD = struct.Struct("<QHHH")  # room, session length, host length, port
 _LANDED = struct.Struct("<QQBBQI")
 _LAYERS = struct.Struct("<QQHHI")
 _CHECKSUM = struct.Struct("<I")
@@ -158,6 +172,43 @@ _CHECKSUM = struct.Struct("<I")
 
 class ProtocolError(ValueError):
     """A Lynx control message that cannot be parsed (another version, or corrupt)."""
+
+
+class RoomError(ProtocolError):
+    """A room (``bootstrap_room``) outside ``[0, ROOM_LIMIT)``: no Lynx message can name it."""
+
+
+def check_room(room: int) -> int:
+    """``room``, if it is one Lynx can carry; RoomError naming it otherwise."""
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < ROOM_LIMIT:
+        raise RoomError(
+            f"room {room!r} (bootstrap_room) is not an integer in 0..2**64-1: Lynx carries rooms as u64"
+        )
+    return room
+
+
+@dataclass(frozen=True)
+class OfferBinding:
+    """Where an offer's request sends its KV and its notices: the room, decode's Mooncake
+    ``session`` (the engine prefill writes to) and its control ``endpoint`` (host, port),
+    as upstream's metadata message carries them. An offer's MAC covers it."""
+
+    room: int
+    session: str
+    endpoint: tuple[str, int]
+
+    def to_bytes(self) -> bytes:
+        """The binding as the MAC covers it; ProtocolError for a field no message carries."""
+        host, port = self.endpoint
+        try:
+            session_b, host_b = self.session.encode("ascii"), host.encode("ascii")
+        except UnicodeEncodeError:
+            raise ProtocolError("a session or host name that is not ASCII") from None
+        if len(session_b) > 0xFFFF or len(host_b) > 0xFFFF or not 0 <= port <= 0xFFFF:
+            raise ProtocolError(f"an offer bound to session {self.session[:64]!r}, {host[:64]}:{port}")
+        return (
+            _BINDING_HEAD.pack(check_room(self.room), len(session_b), len(host_b), port) + session_b + host_b
+        )
 
 
 class NoticeKind(enum.Enum):
@@ -334,13 +385,18 @@ class Offer:
     n_tokens: int
     mac: bytes = b""  # b"": unsigned (:meth:`signed`)
 
-    def signed(self, key: AuthKey, room: int) -> Offer:
-        """This offer with ``key``'s MAC over its fields and ``room``."""
-        return dataclasses.replace(self, mac=key.mac(_OFFER_LABEL, _ROOM.pack(room) + self._fields()))
+    def signed(self, key: AuthKey, binding: OfferBinding) -> Offer:
+        """This offer with ``key``'s MAC over its fields and ``binding``."""
+        return dataclasses.replace(self, mac=key.mac(_OFFER_LABEL, binding.to_bytes() + self._fields()))
 
-    def verify(self, key: AuthKey, room: int) -> bool:
-        """Whether the offer carries ``key``'s MAC over its fields and ``room``."""
-        return bool(self.mac) and key.verify(_OFFER_LABEL, _ROOM.pack(room) + self._fields(), self.mac)
+    def verify(self, key: AuthKey, binding: OfferBinding) -> bool:
+        """Whether the offer carries ``key``'s MAC over its fields and ``binding`` (False
+        for a binding no signer could have covered)."""
+        try:
+            bound = binding.to_bytes()
+        except ProtocolError:
+            return False
+        return bool(self.mac) and key.verify(_OFFER_LABEL, bound + self._fields(), self.mac)
 
     def to_wire(self) -> bytes:
         return self._fields() + self.mac
@@ -362,7 +418,9 @@ class Offer:
             (n,) = _OFFER_HEAD.unpack_from(data)
         except struct.error:
             raise ProtocolError(f"malformed Lynx offer ({len(data)} bytes)") from None
-        # The length is checked before anything is copied out of a peer's frame.
+        # The lengths are checked before anything is copied out of a peer's frame.
+        if n > HANDSHAKE_MAX_NBYTES:
+            raise ProtocolError(f"a Lynx offer whose handshake is {n} bytes, at most {HANDSHAKE_MAX_NBYTES}")
         mac_nbytes = len(data) - _OFFER_HEAD.size - n - _OFFER_BODY.size
         if mac_nbytes not in (0, MAC_NBYTES):
             if len(data) >= _OFFER_HEAD.size + n >= _OFFER_HEAD.size + _HANDSHAKE_HEAD.size:

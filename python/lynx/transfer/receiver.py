@@ -47,11 +47,13 @@ from lynx.transfer.protocol import (
     Notice,
     NoticeKind,
     Offer,
+    OfferBinding,
     ProtocolError,
     RequestLayout,
     Segment,
     Stream,
     append_offer,
+    check_room,
     checksum_values,
     is_notice,
     notice_nbytes_max,
@@ -161,7 +163,9 @@ class ProgressiveReceiver:
     def register(self, room: int, n_tokens: int, peer: str) -> None:
         """Take the request of ``room`` (``n_tokens`` tokens, from prefill ``peer``), then
         :meth:`reserve` its space. Raises DuplicateRoomError if another request holds the
-        room, ReceiveCapacityError if it needs more than the whole buffer."""
+        room, ReceiveCapacityError if it needs more than the whole buffer, RoomError for a
+        room no Lynx message can name (a client's ``bootstrap_room``)."""
+        check_room(room)
         plan = RequestLayout.of(self.handshake, n_tokens)
         if self._arena.rounded(plan.receive_nbytes) > self._arena.capacity:
             raise ReceiveCapacityError(
@@ -200,17 +204,21 @@ class ProgressiveReceiver:
                 plan.sent_residual_nbytes,
                 plan.n_tokens,
             )
-            state.offer = offer if self._auth is None else offer.signed(self._auth, room)
+            state.offer = offer
             state.tracker.offered()
             return state.offer
 
-    def append_offer(self, room: int, frames: list[bytes]) -> list[bytes]:
-        """``frames`` (the request's metadata message to prefill) with its offer appended
-        (:func:`lynx.transfer.protocol.append_offer`); unchanged if it has none."""
+    def append_offer(self, frames: list[bytes], binding: OfferBinding) -> list[bytes]:
+        """``frames`` (the request's metadata message to prefill, which names ``binding``:
+        the room, this server's session and notice endpoint) with the room's offer appended
+        (:func:`lynx.transfer.protocol.append_offer`), signed over ``binding`` with a key;
+        unchanged if it has none."""
         with self._lock:
-            state = self._rooms.get(room)
+            state = self._rooms.get(binding.room)
             offer = None if state is None else state.offer
-        return frames if offer is None else append_offer(frames, offer)
+        if offer is None:
+            return frames
+        return append_offer(frames, offer if self._auth is None else offer.signed(self._auth, binding))
 
     def on_message(self, frames: list[bytes]) -> bool:
         """Take ``frames`` if they are a Lynx notice (True); False for any other message."""

@@ -64,6 +64,7 @@ from lynx.lanes import (
     StreamStatus,
     TransferBackend,
 )
+from lynx.threads import Survivor
 from lynx.transfer.arena import arena_over
 from lynx.transfer.auth import NO_KEY, AuthKey, LogOncePerPeer
 from lynx.transfer.protocol import (
@@ -71,10 +72,12 @@ from lynx.transfer.protocol import (
     Notice,
     NoticeKind,
     Offer,
+    OfferBinding,
     ProtocolError,
     RequestLayout,
     Segment,
     Stream,
+    check_room,
     checksum_values,
     key_mismatch,
     parse_handshake,
@@ -94,8 +97,15 @@ _NO_OFFER = (
 _ENDED_KEPT = 1 << 16
 _EARLY_OFFERS_KEPT = 4096  # offers for rooms this server has no request for (yet)
 # ... of which one decode session may hold this many, so that no one decode evicts
-# another's: it takes four sessions to reach the overall bound.
+# another's: it takes four sessions to reach the overall bound. With a key the session is
+# covered by the offer's MAC, so this is a quota per authenticated peer; without one any
+# peer may claim any session name, and only the bounds in all hold.
 _EARLY_OFFERS_PER_SESSION = _EARLY_OFFERS_KEPT // 4
+# What the waiting offers may hold in all, in bytes (an offer, its session and host names
+# and _HELD_OFFER_OVERHEAD each): a legal offer is ~130 bytes, a hostile one up to
+# ~64 KiB of names; past the budget a new one is refused.
+_HELD_OFFER_OVERHEAD = 256
+_EARLY_OFFER_BYTES = _EARLY_OFFERS_KEPT * 1024
 # What decode hears when prefill drops its offer unanswered, by reason.
 _DROPPED_OFFER = {
     "duplicate": "another offer for room {room} (bootstrap_room) came first",
@@ -108,6 +118,10 @@ _DROPPED_OFFER = {
         "rooms with no request; its oldest, for room {room}, is dropped"
     ),
     "expired": "no request for room {room} came while its offer waited",
+    "budget": (
+        f"the offers waiting for rooms with no request hold more than {_EARLY_OFFER_BYTES} bytes; "
+        "the offer for room {room} is refused"
+    ),
 }
 
 
@@ -128,14 +142,22 @@ class _HeldOffer:
     session: str
     arrived: float
 
+    @property
+    def nbytes(self) -> int:
+        """What holding it costs, about: its bytes, its names and a fixed overhead."""
+        offer = 0 if self.offer_bytes is None else len(self.offer_bytes)
+        return offer + len(self.session) + len(self.endpoint[0]) + _HELD_OFFER_OVERHEAD
+
 
 class _EarlyOffers:
     """Offers for rooms with no request (yet), oldest first, at most
-    ``_EARLY_OFFERS_PER_SESSION`` per decode session and ``_EARLY_OFFERS_KEPT`` in all."""
+    ``_EARLY_OFFERS_PER_SESSION`` per decode session, ``_EARLY_OFFERS_KEPT`` and
+    ``_EARLY_OFFER_BYTES`` in all."""
 
     def __init__(self) -> None:
         self._offers: OrderedDict[int, _HeldOffer] = OrderedDict()
         self._by_session: dict[str, OrderedDict[int, None]] = {}
+        self.nbytes = 0
 
     def __contains__(self, room: int) -> bool:
         return room in self._offers
@@ -145,8 +167,11 @@ class _EarlyOffers:
 
     def add(self, room: int, held: _HeldOffer) -> tuple[int, _HeldOffer, str] | None:
         """Hold ``held`` (``room`` holds no offer); returns the offer dropped to make room
-        for it, with the reason, if any."""
+        for it, with the reason, if any: ``held`` itself past the byte budget."""
+        if self.nbytes + held.nbytes > _EARLY_OFFER_BYTES:
+            return room, held, "budget"
         self._offers[room] = held
+        self.nbytes += held.nbytes
         rooms = self._by_session.setdefault(held.session, OrderedDict())
         rooms[room] = None
         if len(rooms) > _EARLY_OFFERS_PER_SESSION:
@@ -175,6 +200,7 @@ class _EarlyOffers:
 
     def _pop(self, room: int) -> _HeldOffer:
         held = self._offers.pop(room)
+        self.nbytes -= held.nbytes
         rooms = self._by_session[held.session]
         del rooms[room]
         if not rooms:
@@ -364,6 +390,7 @@ class ProgressiveSender:
         )
         self._lanes.register_source(buffer.data_ptr(), buffer.numel())
         self._stop = threading.Event()
+        self._reaper_survivor = Survivor(log, "sender reaper")
         self._reaper = threading.Thread(target=self._reap, name="lynx-sender-reaper", daemon=True)
         self._reaper.start()
 
@@ -376,15 +403,38 @@ class ProgressiveSender:
         ``session``, with control ``endpoint``, and with its Lynx offer or without
         (``offer_bytes`` None: decode runs without Lynx). Answered (ACCEPT or REJECT, and
         remembered for :meth:`add_chunk`) once this server's request for the room has its
-        length (:meth:`size_room`); returns the answer if that is now, else None."""
-        now = time.monotonic()
-        held = _HeldOffer(offer_bytes, endpoint, session, now)
-        if self._auth is not None and offer_bytes is not None and not self._authentic(room, held):
+        length (:meth:`size_room`); returns the answer if that is now, else None. With a
+        key, a message without a valid MAC over its offer, ``room``, ``session`` and
+        ``endpoint`` (a missing offer included) takes no room and no place among the
+        waiting offers. RoomError for a room no Lynx message can name."""
+        held = self._admit(room, offer_bytes, endpoint, session)
+        return None if held is None else self._take(room, held)
+
+    def take_metadata(self, room: int, offer_bytes: bytes | None, endpoint: Endpoint, session: str) -> bool:
+        """:meth:`take_offer` for the metadata message upstream's thread reads next:
+        whether it may read it. With a key, not one that is dropped unauthenticated:
+        upstream would take the room in its own state for it, and answer that sender."""
+        held = self._admit(room, offer_bytes, endpoint, session)
+        if held is not None:
+            self._take(room, held)
+        return held is not None
+
+    def _admit(
+        self, room: int, offer_bytes: bytes | None, endpoint: Endpoint, session: str
+    ) -> _HeldOffer | None:
+        """The message as an offer to hold; None if, with a key, it is not authentic."""
+        check_room(room)
+        held = _HeldOffer(offer_bytes, endpoint, session, time.monotonic())
+        if self._auth is not None and not self._authentic(room, held):
             return None  # it takes no room and no place among the waiting offers
+        return held
+
+    def _take(self, room: int, held: _HeldOffer) -> Offer | str | None:
+        """Hold or answer an admitted offer (see :meth:`take_offer`)."""
         dropped: list[tuple[int, _HeldOffer, str]] = []
         try:
             with self._lock:
-                dropped += self._early_offers.expire(now, self._offer_wait_s)
+                dropped += self._early_offers.expire(held.arrived, self._offer_wait_s)
                 if room in self._answers or room in self._offers or room in self._early_offers:
                     dropped.append((room, held, "duplicate"))
                     return None
@@ -403,32 +453,20 @@ class ProgressiveSender:
         return self._answer(room, held, n_tokens)
 
     def _authentic(self, room: int, held: _HeldOffer) -> bool:
-        """Whether ``held`` carries this server's key's MAC over its offer and ``room``. If
-        not, it is dropped: counted, logged once per decode session, and its room's request
-        fails saying why. Only fixed-size fields are read before the MAC is checked."""
-        assert self._auth is not None and held.offer_bytes is not None
+        """Whether ``held`` carries this server's key's MAC over its offer, ``room`` and
+        where it sends (its session and notice endpoint, as received). If not, it is
+        dropped: counted, logged once per decode session, and its room's request fails
+        saying why. Only fixed-size fields are read before the MAC is checked."""
+        assert self._auth is not None
         where = f"decode {held.endpoint[0]}:{held.endpoint[1]}"
         mine = self._auth.key_id
         answer_unsigned: Notice | None = None
-        try:
-            offer = Offer.from_wire(held.offer_bytes)
-            theirs = Handshake.key_id_of(offer.handshake)
-        except ProtocolError as exc:
-            reason, why = "malformed", f"cannot read the decode server's Lynx offer: {exc}"
+        if held.offer_bytes is None:  # an unsigned claim on the room: it must not take it
+            reason, why = "unsigned", f"{where} {_NO_OFFER}, and this prefill server takes only signed offers"
         else:
-            if offer.verify(self._auth, room):
+            reason, why, answer_unsigned = self._unauthentic_offer(room, held, where, mine)
+            if not reason:
                 return True
-            reason = "bad_signature" if offer.mac else "unsigned"
-            if theirs != mine and (theirs == NO_KEY) == (reason == "unsigned"):  # a peer's settings
-                why = key_mismatch(mine, theirs, this="this prefill server", other=where)
-            else:
-                what = "unsigned" if reason == "unsigned" else "not signed with this server's key"
-                why = f"{where}'s offer for room {room} is {what}: forged, or altered on the way"
-            if theirs == NO_KEY and reason == "unsigned":
-                # A decode without a key applies an unsigned REJECT (its space is free at
-                # once); one with a key drops it. This server writes into no space an
-                # unsigned offer names, so the REJECT frees nothing a write of ours reaches.
-                answer_unsigned = Notice(NoticeKind.REJECT, room, offer.nonce, text=why)
         with self._lock:
             self._dropped_offers[reason] = self._dropped_offers.get(reason, 0) + 1
             self._remember_dropped(room, why)
@@ -439,6 +477,38 @@ class ProgressiveSender:
             self._notify(held.endpoint, answer_unsigned.to_frames())
         return False
 
+    def _unauthentic_offer(
+        self, room: int, held: _HeldOffer, where: str, mine: bytes
+    ) -> tuple[str, str, Notice | None]:
+        """(reason counted, why, an unsigned REJECT to send or None) for an offer that
+        does not carry this server's MAC over it and its binding; ("", "", None) for one
+        that does."""
+        assert self._auth is not None and held.offer_bytes is not None
+        answer_unsigned: Notice | None = None
+        try:
+            offer = Offer.from_wire(held.offer_bytes)
+            theirs = Handshake.key_id_of(offer.handshake)
+        except ProtocolError as exc:
+            reason, why = "malformed", f"cannot read the decode server's Lynx offer: {exc}"
+        else:
+            if offer.verify(self._auth, OfferBinding(room, held.session, held.endpoint)):
+                return "", "", None
+            reason = "bad_signature" if offer.mac else "unsigned"
+            if theirs != mine and (theirs == NO_KEY) == (reason == "unsigned"):  # a peer's settings
+                why = key_mismatch(mine, theirs, this="this prefill server", other=where)
+            else:
+                what = "unsigned" if reason == "unsigned" else "not signed with this server's key"
+                why = (
+                    f"{where}'s offer for room {room} (session {held.session}) is {what}: forged, "
+                    "replayed with another session or notice endpoint, or altered on the way"
+                )
+            if theirs == NO_KEY and reason == "unsigned":
+                # A decode without a key applies an unsigned REJECT (its space is free at
+                # once); one with a key drops it. This server writes into no space an
+                # unsigned offer names, so the REJECT frees nothing a write of ours reaches.
+                answer_unsigned = Notice(NoticeKind.REJECT, room, offer.nonce, text=why)
+        return reason, why, answer_unsigned
+
     def _remember_dropped(self, room: int, why: str) -> None:
         """(Lock held) why ``room``'s offer was dropped, for :meth:`refusal`."""
         self._dropped_why[room] = why
@@ -448,7 +518,9 @@ class ProgressiveSender:
 
     def open_room(self, room: int) -> None:
         """This server has a request for ``room`` (scheduler thread): its offer waits for
-        :meth:`size_room`, however long that takes."""
+        :meth:`size_room`, however long that takes. RoomError for a room no Lynx message
+        can name (a client's ``bootstrap_room``): the caller fails that request."""
+        check_room(room)
         with self._lock:
             self._requests.setdefault(room, None)
             held = self._early_offers.pop(room)
@@ -459,7 +531,8 @@ class ProgressiveSender:
         """The request of ``room`` sends ``n_tokens`` tokens (scheduler thread): answer its
         offer if it came. Returns the answer, or None if no offer came yet. ``n_tokens`` is 0
         where decode's radix cache holds the whole prompt: nothing is sent (:meth:`sends_no_kv`),
-        and an offer for it is refused."""
+        and an offer for it is refused. RoomError as :meth:`open_room`."""
+        check_room(room)
         with self._lock:
             self._requests[room] = n_tokens
             held = self._offers.pop(room, None) or self._early_offers.pop(room)
@@ -849,6 +922,42 @@ class ProgressiveSender:
             self._lanes.abort(str(room))
             log.info("Lynx: room %s aborted (%s)", room, reason)
 
+    def take_abort(self, room: int, peer: Endpoint | None) -> bool:
+        """Decode's ABORT for ``room`` arrived (bootstrap thread), naming ``peer`` as its
+        control endpoint (None: it names none); whether it is honoured (then the room's
+        transfer stops, and the caller lets upstream fail the request). Upstream's ABORT
+        is unsigned: without a key it is honoured as upstream honours it; with one, only
+        from the endpoint the room's signed offer named, or for a room no offer names
+        here (no Lynx transfer to stop; upstream's drain ACK still frees decode's pages)."""
+        if self._auth is not None:
+            owner = self._owner(room)
+            if owner is not None and peer != owner:
+                named = "no endpoint" if peer is None else f"{peer[0]}:{peer[1]}"
+                with self._lock:
+                    self._dropped_offers["foreign_abort"] = self._dropped_offers.get("foreign_abort", 0) + 1
+                self._log_once(
+                    "foreign_abort",
+                    named,
+                    f"ignoring an ABORT for room {room} naming {named}: the room's signed offer came "
+                    f"from decode {owner[0]}:{owner[1]}",
+                )
+                return False
+        self.abort(room, "decode aborted the request")
+        return True
+
+    def _owner(self, room: int) -> Endpoint | None:
+        """The control endpoint of the decode whose offer for ``room`` this server holds,
+        answered or waiting; None if there is none."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is not None:
+                return state.endpoint
+            answer = self._answers.get(room)
+            if isinstance(answer, tuple):
+                return answer[1]
+            held = self._offers.get(room) or self._early_offers.get(room)
+            return None if held is None else held.endpoint
+
     def _give_up_unwritten(self, room: int, reason: str) -> tuple[Endpoint, int] | None:
         """(Lock held) ``room`` is aborted before any of its bytes went to the lanes: forget
         what it holds, and return where to send RELEASED with which nonce (None: no
@@ -1232,32 +1341,51 @@ class ProgressiveSender:
             self._ended.popitem(last=False)
 
     def _reap(self) -> None:
+        """The reaper thread: held writes, expired offers and releases, each step guarded
+        (one room's exception is logged once and the thread goes on: it is the only one
+        that frees send space and tells decode RELEASED)."""
         while not self._stop.wait(0.02):
-            self._submit_due()
+            try:
+                self._submit_due()
+            except Exception as exc:  # the items taken are lost; their rooms' deadlines fail them
+                self._reaper_survivor.survived("submitting held writes", exc)
             with self._lock:
                 expired = self._early_offers.expire(time.monotonic(), self._offer_wait_s)
             for room, held, reason in expired:
-                self._drop_offer(room, held, reason)
+                try:
+                    self._drop_offer(room, held, reason)
+                except Exception as exc:
+                    self._reaper_survivor.survived(f"dropping the expired offer for room {room}", exc)
             with self._lock:
                 candidates = list(self._releasing)
             for room in candidates:
-                with self._lock:
-                    state = self._rooms.get(room)
-                    if state is not None and state.encoding:
-                        continue  # aborted while its Residual encodes into its space
                 try:
-                    self._lanes.release(str(room))
-                except LaneError:
-                    continue  # writes still in the engine: try again later
-                except KeyError:
-                    pass
-                with self._lock:
-                    self._releasing.discard(room)
-                    state = self._rooms.pop(room, None)
-                    if state is not None:
-                        self._end(room, state.offer.nonce)
-                if state is None:
-                    continue
-                if state.offset is not None:
-                    self._arena.free(state.offset)
-                self._send(state.endpoint, Notice(NoticeKind.RELEASED, room, state.offer.nonce))
+                    self._release(room)
+                except Exception as exc:  # not tried again: the next pass goes on with the rest
+                    with self._lock:
+                        self._releasing.discard(room)
+                    self._reaper_survivor.survived(f"releasing room {room}", exc)
+
+    def _release(self, room: int) -> None:
+        """(Reaper thread) free a settled room's send space and tell decode RELEASED, once
+        the engine holds none of its writes."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is not None and state.encoding:
+                return  # aborted while its Residual encodes into its space
+        try:
+            self._lanes.release(str(room))
+        except LaneError:
+            return  # writes still in the engine: try again later
+        except KeyError:
+            pass
+        with self._lock:
+            self._releasing.discard(room)
+            state = self._rooms.pop(room, None)
+            if state is not None:
+                self._end(room, state.offer.nonce)
+        if state is None:
+            return
+        if state.offset is not None:
+            self._arena.free(state.offset)
+        self._send(state.endpoint, Notice(NoticeKind.RELEASED, room, state.offer.nonce))

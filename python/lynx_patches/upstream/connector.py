@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lynx.transfer import Upstream
+from lynx.transfer import ROOM_LIMIT, Upstream
 from lynx_patches.upstream.contract import (
     BASE_CONN,
     COMMON_CONN,
@@ -40,7 +40,6 @@ RELIED: tuple[Relied, ...] = (
     Relied("sglang.srt.disaggregation.common.staging_handler", "handle_staging_rsp", "function"),
     method(_MANAGER, "__init__", "args", "disaggregation_mode", "server_args", "is_mla_backend"),
     method(_MANAGER, "_make_worker_recv", "socket", "timeout_ms"),
-    method(_MANAGER, "_handle_abort_notification", "msg"),
     method(_MANAGER, "_handle_node_failure", "failed_bootstrap_addr"),
     method(_MANAGER, "add_transfer_request", "bootstrap_room", "kv_indices", "index_slice", "is_last_chunk"),
     method(_MANAGER, "teardown"),
@@ -80,17 +79,26 @@ class MetadataFrames:
 def parse_metadata_frames(frames: Sequence[bytes]) -> MetadataFrames | None:
     """The request fields of a metadata message; None for any other message (e.g. the
     per-rank registration, whose frame 0 is not a room) and for one whose fields are not
-    ASCII numbers and names (a peer's garbage: read on upstream's bootstrap thread, which
-    an exception would end)."""
+    ASCII numbers and names, or whose room or port is out of range (a peer's garbage: read
+    on upstream's bootstrap thread, which an exception would end;
+    :func:`unreadable_peer_message` drops it before upstream reads it)."""
     if len(frames) < 6 or not frames[0].isdigit() or not frames[2].isdigit():
         return None
     try:
         host, session = frames[1].decode("ascii"), frames[3].decode("ascii")
+        room_digits = frames[0].decode("ascii")  # isdigit() admits non-ASCII digits
+        port_digits = frames[2].decode("ascii")
     except UnicodeDecodeError:
         return None
+    # The lengths first: int() of a peer's million digits would take the thread's time.
+    if len(room_digits) > 20 or len(port_digits) > 5:
+        return None
+    room, port = int(room_digits), int(port_digits)
+    if room >= ROOM_LIMIT or port > 0xFFFF:
+        return None
     return MetadataFrames(
-        room=int(frames[0]),
-        endpoint=(host, int(frames[2])),
+        room=room,
+        endpoint=(host, port),
         session=session,
         is_dummy=frames[4] == b"" and frames[5] == b"",
     )
@@ -156,6 +164,9 @@ def unreadable_peer_message(manager: Any, frames: Sequence[bytes]) -> str | None
         (KVArgsRegisterInfo if head == b"None" else TransferInfo).from_zmq(list(frames))
     except Exception as exc:  # whatever they raise, the thread would die of it
         return f"a message upstream cannot parse ({type(exc).__name__}: {exc})"
+    if head != b"None" and parse_metadata_frames(frames) is None:
+        # upstream reads any digits as a room; Lynx (and every u64 after it) cannot
+        return "a request's metadata whose room or port is out of range (a room is 0..2**64-1)"
     return None
 
 
@@ -164,15 +175,23 @@ def unreadable_peer_message(manager: Any, frames: Sequence[bytes]) -> str | None
     Relied(COMMON_CONN, "AbortNotification", "class"),
     method(f"{COMMON_CONN}.AbortNotification", "from_zmq", "msg"),
     attribute(f"{COMMON_CONN}.AbortNotification", "room"),
+    attribute(f"{COMMON_CONN}.AbortNotification", "decode_ip"),
+    attribute(f"{COMMON_CONN}.AbortNotification", "decode_port"),
 )
-def aborted_room(msg: Sequence[bytes]) -> int | None:
-    """The room of decode's abort notification, or None if ``msg`` is not one."""
+def aborted_room(msg: Sequence[bytes]) -> tuple[int, tuple[str, int] | None] | None:
+    """(room, the control endpoint it names as decode's or None) of decode's abort
+    notification; None if ``msg`` is not one, or names a room outside ``[0, 2**64)``. The
+    endpoint is the one decode's metadata message named (``decode_ip``, ``decode_port``:
+    its ``local_ip`` and ``rank_port``)."""
     from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
-    if not msg or msg[0] != ABORT_TAG:
+    if not msg or msg[0] != ABORT_TAG or (len(msg) > 1 and len(msg[1]) > 20):
         return None
     notification = AbortNotification.from_zmq(list(msg))
-    return None if notification is None else int(notification.room)
+    if notification is None or not 0 <= int(notification.room) < ROOM_LIMIT:
+        return None
+    ip, port = notification.decode_ip, notification.decode_port
+    return int(notification.room), None if ip is None or port is None else (ip, int(port))
 
 
 @relies(

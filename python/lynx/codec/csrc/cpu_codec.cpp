@@ -15,15 +15,27 @@ Part make_part(const torch::Tensor& rows, const c10::optional<torch::Tensor>& sl
                int64_t codes_offset) {
   TORCH_CHECK(rows.device().is_cpu() && rows.dim() == 2 && rows.is_contiguous(),
               "rows must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(bits >= 2 && bits <= 4, "anchor bits must be 2..4, got ", bits);
+  TORCH_CHECK(group_size > 0 && key_block > 0, "group_size and key_block must be positive");
   Part p;
   p.channels = rows.size(1);
+  // Whole bytes per token row for the Anchor codes and the Residual bits; whole groups.
+  TORCH_CHECK(p.channels > 0 && p.channels % 8 == 0, "a part needs a positive multiple of 8 channels, got ",
+              p.channels);
+  TORCH_CHECK(per_channel || p.channels % group_size == 0, "group_size ", group_size, " does not divide ",
+              p.channels, " channels");
   p.slots = nullptr;
   p.n = rows.size(0);
   if (slots.has_value()) {
-    TORCH_CHECK(slots->dtype() == torch::kInt64 && slots->dim() == 1 && slots->is_contiguous(),
-                "slots must be a contiguous 1-D int64 tensor");
+    TORCH_CHECK(slots->device().is_cpu() && slots->dtype() == torch::kInt64 && slots->dim() == 1 &&
+                    slots->is_contiguous(),
+                "slots must be a contiguous 1-D int64 CPU tensor");
     p.slots = slots->data_ptr<int64_t>();
     p.n = slots->numel();
+    const int64_t limit = rows.size(0);
+    for (int64_t i = 0; i < p.n; ++i)
+      TORCH_CHECK(p.slots[i] >= 0 && p.slots[i] < limit, "slot ", p.slots[i], " (token ", i,
+                  ") is outside the ", limit, " rows");
   }
   p.per_channel = per_channel;
   p.group_size = group_size;
@@ -38,6 +50,36 @@ Part make_part(const torch::Tensor& rows, const c10::optional<torch::Tensor>& sl
 void check_bytes(const torch::Tensor& buf) {
   TORCH_CHECK(buf.device().is_cpu() && buf.dtype() == torch::kUInt8 && buf.dim() == 1 && buf.is_contiguous(),
               "codec buffers must be contiguous 1-D uint8 CPU tensors");
+}
+
+// The bytes of the group minimums (and, as many, of the scales) the kernels read or write
+// for part p: one word per channel per key block, or per group of each token.
+int64_t param_nbytes_of(const Part& p, int64_t itemsize) {
+  const int64_t params = p.per_channel ? (p.n + p.key_block - 1) / p.key_block * p.channels
+                                       : p.n * (p.channels / p.group_size);
+  return params * itemsize;
+}
+
+// The Anchor of part p holds its minimums at 0, scales at scales_offset and codes at
+// codes_offset, in that order, each within the buffer; param_nbytes: the minimums' bytes
+// as the caller laid them out, at least what the kernels touch.
+void check_anchor(const Part& p, int64_t param_nbytes, int64_t itemsize, const torch::Tensor& anchor) {
+  TORCH_CHECK(param_nbytes >= param_nbytes_of(p, itemsize), "anchor parameters of ", param_nbytes,
+              " bytes, the part's geometry needs ", param_nbytes_of(p, itemsize));
+  TORCH_CHECK(p.scales_offset >= param_nbytes && p.codes_offset >= p.scales_offset + param_nbytes,
+              "anchor offsets out of order: minimums of ", param_nbytes, " bytes, scales at ", p.scales_offset,
+              ", codes at ", p.codes_offset);
+  TORCH_CHECK(p.codes_offset + p.n * p.channels * p.bits / 8 <= anchor.numel(), "anchor buffer of ",
+              anchor.numel(), " bytes too small for ", p.n, " tokens of ", p.channels, " channels");
+}
+
+// A Residual buffer holds what the kernels read or write of part p: a lossless one its
+// capacity (encode) or any length (decode: the coder checks it); a fixed-width one the
+// residual bits of every value.
+void check_residual(const Part& p, const torch::Tensor& residual) {
+  check_bytes(residual);
+  TORCH_CHECK(p.exact || p.n * p.channels * p.rbits() / 8 <= residual.numel(), "residual buffer of ",
+              residual.numel(), " bytes too small for ", p.n, " tokens of ", p.channels, " channels");
 }
 
 // Zero the alignment padding of a part (everything its arrays do not cover).
@@ -87,8 +129,8 @@ std::vector<int64_t> encode_rows(std::vector<torch::Tensor> rows, c10::optional<
     Part p = make_part(rows[i], slots, per_channel[i], group_size, key_block, bits, exact, scales_offset[i],
                        codes_offset[i]);
     check_bytes(anchors[i]);
-    check_bytes(residuals[i]);
-    TORCH_CHECK(p.codes_offset + p.n * p.channels * bits / 8 <= anchors[i].numel(), "anchor buffer too small");
+    check_anchor(p, param_nbytes[i], rows[i].element_size(), anchors[i]);
+    check_residual(p, residuals[i]);
     TORCH_CHECK(!exact || residuals[i].numel() == 1 + p.n * p.channels * rows[i].element_size(),
                 "a lossless residual buffer holds 1 + the part's raw bytes");
     zero_padding(p, param_nbytes[i], rows[i].element_size(), anchors[i], residuals[i]);
@@ -144,10 +186,13 @@ std::vector<int64_t> decode_rows(std::vector<torch::Tensor> anchors, c10::option
   std::vector<Part> parts;
   for (size_t i = 0; i < count; ++i) {
     TORCH_CHECK(rows[i].scalar_type() == rows[0].scalar_type(), "all parts must share a dtype");
-    parts.push_back(make_part(rows[i], slots, per_channel[i], group_size, key_block, bits, exact,
-                              scales_offset[i], codes_offset[i]));
+    const Part p = make_part(rows[i], slots, per_channel[i], group_size, key_block, bits, exact, scales_offset[i],
+                             codes_offset[i]);
     check_bytes(anchors[i]);
-    if (residuals.has_value()) check_bytes((*residuals)[i]);
+    const int64_t itemsize = rows[i].element_size();
+    check_anchor(p, param_nbytes_of(p, itemsize), itemsize, anchors[i]);
+    if (residuals.has_value()) check_residual(p, (*residuals)[i]);
+    parts.push_back(p);
   }
   if (parts[0].n == 0) return std::vector<int64_t>(count, kFaultNone);
   const int nthreads = static_cast<int>(std::max<int64_t>(1, threads));
