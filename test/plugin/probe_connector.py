@@ -255,7 +255,7 @@ def control_hook() -> dict:
         manager.lynx_survivor = Survivor(logging.getLogger("probe"), "control-message hook")
         queue = list(messages)
 
-        def upstream_recv(self: object, socket: object, timeout_ms: int = 500) -> object:
+        def upstream_recv(self: object, socket: object, timeout_ms: int = 500, queue: list = queue) -> object:
             return lambda: queue.pop(0)
 
         with mock.patch.object(MooncakeKVManager, "_make_worker_recv", upstream_recv):
