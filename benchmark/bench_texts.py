@@ -1,11 +1,17 @@
 """Real long texts and the model the accuracy benchmarks read (see ``--data`` there)."""
 
 import argparse
+import datetime
+import os
+import platform
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MODEL_DIR = Path.home() / ".cache/lynx/models/SmolLM2-135M-Instruct"
 DOCS = "doc/usr/share/doc/python3.11/html/_sources"
@@ -78,6 +84,34 @@ def fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def machine() -> dict[str, Any]:
+    """Where and when a benchmark ran, for its JSON: the date (UTC), host, CPU model and the
+    features that decide its BF16 speed, cores, load at start, and the commit (with
+    ``+dirty`` when the tree had uncommitted changes)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if "model name" in line), "")
+    flags = set(
+        next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    )
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpu": model or platform.machine(),
+        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+        "git_commit": git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
+    }
 
 
 def resolved_dtype(dtype: str) -> str:

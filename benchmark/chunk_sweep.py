@@ -36,11 +36,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench_texts import benchmark_parser, fetch_texts, resolved_dtype
+from bench_texts import benchmark_parser, fetch_texts, machine, resolved_dtype
 from pd_transfer import (
     CONFIGS,
     Pair,
     add_pair_options,
+    bf16_bytes_per_token,
     measure,
     measure_one,
     median_of,
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if (status := rerun_on_decode_side(args)) is not None:
         return status
     started = time.time()
+    where = machine()
     fetch_texts(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -224,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     wall_s = time.time() - started
     report = {
         "command": sys.argv,
+        "machine": where,
+        "interleaved": bool(args.interleave),
+        "model": args.model.name,
+        "bf16_bytes_per_token": bf16_bytes_per_token(args.model),
         "args": {k: str(v) for k, v in vars(args).items()},
         "rows": rows,
         "wall_s": wall_s,

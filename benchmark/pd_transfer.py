@@ -204,6 +204,7 @@ def measure_one(
         "context": context,
         "prompt": index,
         "times": times,
+        "prompt_tokens": answer["meta_info"]["prompt_tokens"],
         "kv_bytes": report["anchor_bytes"] + report["residual_bytes"] if report else None,
         "output_ids": answer["output_ids"],
         "report": report,

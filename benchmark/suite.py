@@ -43,14 +43,11 @@ from its ``suite-raw.json`` (after a change to what is summarized), measuring no
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_texts import PROXY_DTYPE, fetch_texts, resolved_dtype
+from bench_texts import PROXY_DTYPE, fetch_texts, machine, resolved_dtype
 from pd_transfer import TEXTS, Pair, agreement_of, bf16_bytes_per_token, prompts_from
 from transformers import AutoTokenizer
 
@@ -649,19 +646,6 @@ def model_prompts(model: Path, plan: dict[str, Any]) -> dict[str, Any]:
             plan["accuracy_depths"],
             seed=7,
         ),
-    }
-
-
-def machine() -> dict[str, Any]:
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "load_average_at_start": os.getloadavg(),
-        "git_commit": commit,
     }
 
 

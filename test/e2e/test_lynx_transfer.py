@@ -224,14 +224,24 @@ def test_parallel_samples_carry_the_prompt_once_to_a_decode_with_radix_cache(
     wait_for(lambda: idle(servers["DR"]) and idle(servers["D2"]), "DR and D2 idle")
 
 
-def test_anchor_only_runs_and_its_agreement_is_reported(servers: dict) -> None:
+def test_anchor_only_runs_and_its_agreement_is_reported(servers: dict, tiny_model: Path) -> None:
+    """Anchor-only decodes on the Anchor alone: each answer is whole, its report shows the
+    Anchor's bytes and no Residual, and its agreement with plain PD is measured (a 2-bit
+    Anchor of a random tiny model agrees little: the figure is printed, not bounded)."""
+    layout, codec = kv_layout(tiny_model), CodecConfig(anchor_bits=2)
     agree = total = 0
     for prompt in PROMPTS:
-        anchor = pd_generate(servers["PA"], servers["DA"], prompt)["output_ids"]
+        answer = pd_generate(servers["PA"], servers["DA"], prompt)
+        anchor = answer["output_ids"]
         plain = pd_generate(servers["P0"], servers["D0"], prompt)["output_ids"]
-        assert len(anchor) == 16
+        assert len(anchor) == len(plain) == 16
+        report = answer["meta_info"]["lynx_transfer"][-1]
+        plan = RequestLayout(layout, codec, answer["meta_info"]["prompt_tokens"], Mode.ANCHOR_ONLY)
+        assert (report["anchor_bytes"], report["residual_bytes"]) == (plan.anchor_nbytes, 0), report
+        assert report["anchor_latency_s"] > 0
         total += len(plain)
         agree += next((i for i, (a, b) in enumerate(zip(anchor, plain, strict=True)) if a != b), len(plain))
+    assert 0 <= agree <= total == 16 * len(PROMPTS)
     print(f"\nanchor-only (2-bit Anchors, tiny model): greedy prefix agreement {agree}/{total} tokens")
 
 

@@ -43,7 +43,7 @@ class NativeBuildError(RuntimeError):
     """The compiled C++ codec is missing, stale or not for this CPU."""
 
 
-def _cpu_lacks() -> list[str]:
+def cpu_lacks() -> list[str]:
     """The x86-64-v3 features this CPU lacks (none known where there is no /proc/cpuinfo)."""
     if platform.machine() != "x86_64":
         return []  # nothing was built for it: the import says so
@@ -58,7 +58,7 @@ def _cpu_lacks() -> list[str]:
 
 
 def _import_checked() -> ModuleType:
-    lacking = _cpu_lacks()
+    lacking = cpu_lacks()
     if lacking:
         raise NativeBuildError(f"the C++ CPU codec needs {', '.join(lacking)}, which this CPU lacks")
     try:
