@@ -361,10 +361,21 @@ def publish(settings: LynxSettings | None, environ: dict[str, str] | None = None
         env[SETTINGS_ENV] = settings.to_json()
 
 
+_parsed: tuple[str, LynxSettings] | None = None  # the JSON last parsed, and its settings
+
+
 def current(environ: Mapping[str, str] | None = None) -> LynxSettings | None:
-    """The settings of this server process, or None when Lynx is off."""
+    """The settings of this server process, or None when Lynx is off. The JSON is parsed
+    and validated once per value: hooks call this on hot paths, and every caller of a
+    process gets the one frozen object (:func:`publish` of other settings is read anew)."""
+    global _parsed
     text = (os.environ if environ is None else environ).get(SETTINGS_ENV)
-    return None if text is None else LynxSettings.from_json(text)
+    if text is None:
+        return None
+    parsed = _parsed
+    if parsed is None or parsed[0] != text:
+        parsed = _parsed = (text, LynxSettings.from_json(text))
+    return parsed[1]
 
 
 def layerwise(environ: Mapping[str, str] | None = None) -> bool:

@@ -48,6 +48,23 @@ def _demo(model: Path, log_dir: Path, *extra: str) -> subprocess.Popen[str]:
     )
 
 
+def test_the_default_path_serves_an_answer_and_stops_everything(tiny_model: Path, tmp_path: Path) -> None:
+    """``scripts/demo.sh`` with no argument, but on the tiny model (CI fetches no other):
+    the default Lynx flags on both servers, the default question, one chat completion
+    through the router, its TTFT and Lynx's bytes, and every server stopped after."""
+    model = _unique_model(tiny_model, tmp_path)
+    proc = _demo(model, tmp_path / "logs")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+    answer = re.search(r"^answer: (.+)$", out, re.MULTILINE)
+    assert answer is not None and answer.group(1).strip(), out
+    assert re.search(r"^TTFT: \d+ ms   completion tokens: [1-9]\d* ", out, re.MULTILINE), out
+    anchor, residual = map(int, re.findall(r"Anchor (\d+) KiB, Residual (\d+) KiB", out)[0])
+    assert anchor > 0 and residual > 0, out  # Lynx carried the KV, both parts
+    assert out.rstrip().endswith("servers stopped")
+    assert _processes_mentioning(str(model)) == []
+
+
 def test_failed_start_reports_the_log_and_leaves_nothing_running(tiny_model: Path, tmp_path: Path) -> None:
     model = _unique_model(tiny_model, tmp_path)
     # Valid for the demo, refused by the servers at start-up.

@@ -1,8 +1,8 @@
 """A real PD cluster behind the router on the CPU, against single servers on the same model.
 
 Servers in this module: the PD cluster, two prefill servers and a decode server behind
-``sglang_router`` (``--lynx-mode speculative`` with the exact residual, arriving late:
-decode starts on 2-bit Anchors and verifies; the router pairs either prefill with the
+``sglang_router`` (``--lynx-mode speculative``, Lynx's defaults otherwise, the Residual
+arriving late: decode starts on the Anchor and verifies; the router pairs either prefill with the
 decode, which receives from both; one prefill sending to two decode servers is
 test_lynx_transfer.py's), a single server
 with the plugin loaded but no ``--lynx``, and a single server with the plugin not loaded
@@ -43,17 +43,16 @@ pytestmark = pytest.mark.e2e
 
 # Small chunks make prefill send several chunks per request, as long prompts do.
 CHUNK = ["--chunked-prefill-size", "128"]
-# The exact residual: Lynx must then answer exactly what plain BF16 serving does.
+# Lynx's defaults (the exact Residual: Lynx must then answer exactly what plain PD does,
+# 4-bit Anchors, decode's overlap scheduler on), in speculative mode, with two settings a
+# user would not set, each for a reason: the Residual held back 1 s, so that decode holds
+# tokens on the Anchor (on loopback it lands before the first decode step, and no token
+# would be held: the tests of what the client sees while tokens are held need it), and a
+# deadline short enough for the killed-prefill test to see its requests fail.
 LYNX = [
     "--lynx",
     "--lynx-mode",
     "speculative",
-    "--lynx-anchor-bits",
-    "2",
-    "--lynx-group-size",
-    "64",
-    "--lynx-residual",
-    "exact",
     "--lynx-residual-hold",
     "1",
     "--lynx-transfer-deadline",
@@ -96,7 +95,7 @@ def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict]:
             config,
             log_dir,
             prefill_args=LYNX,
-            decode_args=[*LYNX, "--disable-overlap-schedule"],
+            decode_args=LYNX,
             router_args=ROUTER,
             prefills=2,
             decodes=1,
@@ -364,13 +363,14 @@ def test_openai_client_hanging_up_while_tokens_are_held_frees_decode(
 ) -> None:
     """The client gives up 0.3 s into a streamed request, while decode holds its tokens on
     the Anchor (the Residual lands 1 s late): the request is aborted and decode's pages and
-    receive buffer come back."""
+    receive buffer come back. Each asks for 3,000 tokens, which this tiny model decodes in
+    about a minute (15-50 steps a second here): idle within 20 s, only an abort freed them."""
     impatient = client_of(servers, "pd").with_options(timeout=0.3)
     for _ in range(3):
         with pytest.raises((openai.APITimeoutError, httpx.TimeoutException)):
-            list(complete(impatient, prompt=PROMPTS[3], stream=True))
+            list(complete(impatient, prompt=PROMPTS[3], stream=True, max_tokens=3000))
     started = time.monotonic()
-    wait_decodes_idle(servers["pd"], idle_decodes)
+    wait_decodes_idle(servers["pd"], idle_decodes, timeout_s=20.0)
     print(f"decode idle {time.monotonic() - started:.2f} s after the last hang-up")
 
 

@@ -117,6 +117,24 @@ def test_publish_and_current_use_the_environment() -> None:
     assert settings.SETTINGS_ENV not in env
 
 
+def test_current_parses_the_environment_once_per_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    env: dict[str, str] = {}
+    settings.publish(LynxSettings(anchor_bits=3), env)
+    parses = []
+    real = LynxSettings.from_json
+
+    def counted(text: str) -> LynxSettings:
+        parses.append(text)
+        return real(text)
+
+    monkeypatch.setattr(LynxSettings, "from_json", staticmethod(counted))
+    first = settings.current(env)
+    assert all(settings.current(env) is first for _ in range(100))
+    assert len(parses) == 1
+    settings.publish(LynxSettings(anchor_bits=2), env)  # other settings: read anew
+    assert settings.current(env) == LynxSettings(anchor_bits=2) and len(parses) == 2
+
+
 def test_codec_config_carries_the_codec_fields() -> None:
     config = LynxSettings(anchor_bits=2, key_layout="per_token", key_block=32).codec_config()
     assert (config.anchor_bits, config.key_layout, config.key_block) == (2, "per_token", 32)
