@@ -42,6 +42,8 @@ done
 mkdir -p "$root/dev/shm" && mount -t tmpfs shm "$root/dev/shm" && mounted+=("$root/dev/shm")
 cp /etc/resolv.conf "$root/etc/resolv.conf"
 [ -f /etc/pip.conf ] && cp /etc/pip.conf "$root/etc/pip.conf"
+# The host's CA bundle: where a proxy on the way re-signs TLS, only the host's bundle has its CA.
+cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
 for dir in /opt/wheels /opt/pypi /opt/pypi-more; do  # this host's local package indexes, if any
     if [ -d "$dir" ]; then mkdir -p "$root$dir" && mount --bind "$dir" "$root$dir" && mounted+=("$root$dir"); fi
 done

@@ -9,10 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3.11}
-# The Mooncake engine's libraries; the C++ codec's compiler and Python headers; venv (Debian
-# ships it apart: without it `python3 -m venv` makes a .venv with no pip). A bare Debian 12
-# lacks the last three.
-DEBIAN_PACKAGES=(libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200 g++ "$PYTHON-venv" "$PYTHON-dev")
+# The Mooncake engine's libraries (libcurl4: its metadata client); the C++ codec's compiler
+# and Python headers; venv (Debian ships it apart: without it `python3 -m venv` makes a .venv
+# with no pip). A bare Debian 12 lacks libcurl4 and the last three.
+DEBIAN_PACKAGES=(libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200 libcurl4 g++ "$PYTHON-venv" "$PYTHON-dev")
 
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
