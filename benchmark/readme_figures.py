@@ -104,8 +104,10 @@ def provenance(run: dict[str, Any]) -> str:
     bf16 = "BF16 arithmetic" if run["args"]["dtype"] == "bfloat16" else f"`--dtype {run['args']['dtype']}`"
     lengths = sorted({r["prompt_tokens"] for r in run["raw"][BASELINE][next(iter(run["raw"][BASELINE]))]})
     order = "interleaved with plain PD in one run" if run["interleaved"] else "plain PD in the same run"
+    commit, _, dirty = m["git_commit"].partition("+")
+    commit = commit[:12] + (" with uncommitted changes" if dirty else "")
     return (
-        f"{m['date'][:10]}, commit {m['git_commit'][:12]}, {m['cpu']} ({m['cpus']} cores; {features}), "
+        f"{m['date'][:10]}, commit {commit}, {m['cpu']} ({m['cpus']} cores; {features}), "
         f"{run['model']}, {bf16}; {len(lengths)} unseen prompts of {lengths[0]}-{lengths[-1]} tokens "
         f"from real text, {order}"
     )
