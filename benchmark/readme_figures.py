@@ -45,7 +45,7 @@ class Source:
 
 SOURCES = (
     Source(f"{RESULTS}/2026-12-07-smollm2-20mbit/chunk_sweep.json", "20 Mbit/s"),
-    Source(f"{RESULTS}/2026-12-07-smollm2-unshaped/chunk_sweep.json", "unshaped (loopback)"),
+    Source(f"{RESULTS}/2026-12-07-smollm2-unshaped/chunk_sweep.json", "unshaped"),
 )
 
 
@@ -98,42 +98,52 @@ def ratio(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
-def provenance(run: dict[str, Any]) -> str:
+def host(run: dict[str, Any]) -> str:
+    """Where and how a run ran: CPU, cores, BF16 features, arithmetic, model, prompts, order."""
     m = run["machine"]
     features = ", ".join(m["cpu_features"]) or "no AVX"
     bf16 = "BF16 arithmetic" if run["args"]["dtype"] == "bfloat16" else f"`--dtype {run['args']['dtype']}`"
-    lengths = sorted({r["prompt_tokens"] for r in run["raw"][BASELINE][next(iter(run["raw"][BASELINE]))]})
+    (chunk,) = run["raw"][BASELINE]
+    lengths = sorted({r["prompt_tokens"] for r in run["raw"][BASELINE][chunk]})
     order = "interleaved with plain PD in one run" if run["interleaved"] else "plain PD in the same run"
-    commit, _, dirty = m["git_commit"].partition("+")
-    commit = commit[:12] + (" with uncommitted changes" if dirty else "")
     return (
-        f"{m['date'][:10]}, commit {commit}, {m['cpu']} ({m['cpus']} cores; {features}), "
-        f"{run['model']}, {bf16}; {len(lengths)} unseen prompts of {lengths[0]}-{lengths[-1]} tokens "
-        f"from real text, {order}"
+        f"{m['cpu']}, {m['cpus']} cores ({features}), {bf16}; {run['model']}; {len(lengths)} unseen "
+        f"prompts of {lengths[0]}-{lengths[-1]} tokens from real text, {order}"
     )
+
+
+def run_line(source: Source, run: dict[str, Any]) -> str:
+    """The run's link, JSON, date and commit (and whether its tree had uncommitted changes)."""
+    commit, _, dirty = run["machine"]["git_commit"].partition("+")
+    state = " + uncommitted changes" if dirty else ""
+    return f"{source.link} [JSON]({source.path}), {run['machine']['date'][:10]}, {commit[:7]}{state}"
 
 
 def block(runs: list[tuple[Source, dict[str, Any]]]) -> str:
-    """The README's result block."""
+    """The README's result block: one table, each host (and its prompts) said once."""
     lines = [BEGIN, ""]
+    lines += [f"Host and prompts: {text}." for text in dict.fromkeys(host(run) for _, run in runs)]
+    lines += [
+        "",
+        f"| link | mode | TTFT | token {MARK} | output = plain PD's | held, accepted | KV / BF16 bytes |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for source, run in runs:
-        lines.append(f"**{source.link}** ({provenance(run)}; [`{source.path}`]({source.path})):")
-        lines.append("")
         for p in points(run):
-            spec = f"; {p.accepted} of {p.held} held tokens accepted" if p.held else ""
-            kv = f"; KV sent {p.bytes_ratio:.3f}x of BF16's bytes" if p.bytes_ratio else ""
-            equal = f"greedy output equal to plain PD's on {p.equal}/{p.prompts} prompts"
+            held = f"{p.held}, {p.accepted}" if p.held else ""
+            kv = f"{p.bytes_ratio:.3f}" if p.bytes_ratio else ""
             lines.append(
-                f"* {NAMES.get(p.config, p.config)}: TTFT {ratio(p.ttft)} plain PD's, "
-                f"token {MARK} {ratio(p.mark)}; {equal}{spec}{kv}"
+                f"| {source.link} | {NAMES.get(p.config, p.config)} | {ratio(p.ttft)} | {ratio(p.mark)} "
+                f"| {p.equal}/{p.prompts} | {held} | {kv} |"
             )
-        lines.append("")
-    lines.append(
-        f"Ratios: Lynx's time over plain PD's for the same prompt, median over the prompts (range). "
-        f"Default flags but `--lynx-mode`. ![time to first token and to token {MARK}, over plain PD's, "
-        f"per prompt]({PLOT})"
-    )
-    lines += ["", END]
+    lines += [
+        "",
+        "Runs: " + "; ".join(run_line(source, run) for source, run in runs) + ".",
+        "Times: Lynx's over plain PD's for the same prompt, median over the prompts (range); "
+        f"default flags but `--lynx-mode`. ![TTFT and token {MARK} over plain PD's, per prompt]({PLOT})",
+        "",
+        END,
+    ]
     return "\n".join(lines)
 
 

@@ -9,9 +9,8 @@
 #
 # The root is made anew under $LYNX_FRESH_ROOT (default /var/tmp/lynx-fresh-debian) and
 # removed at the end unless --keep. The host's pip settings (its index and CA bundle) and
-# resolver go in, so the chroot reaches what the host reaches. A container image built from
-# the same root (`tar -C ROOT -c . | docker import - lynx-fresh`) runs the same steps where a
-# docker daemon is up; the chroot needs none.
+# resolver go in, so the chroot reaches what the host reaches. A chroot, not a container:
+# it needs no docker daemon (none runs on the hosts this was written on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" -eq 0 ] || { echo "fresh_debian_check: needs root (debootstrap, chroot)" >&2; exit 2; }
