@@ -1342,8 +1342,8 @@ class ProgressiveSender:
 
     def _reap(self) -> None:
         """The reaper thread: held writes, expired offers and releases, each step guarded
-        (one room's exception is logged once and the thread goes on: it is the only one
-        that frees send space and tells decode RELEASED)."""
+        (one room's exception is logged once per kind and the thread goes on with the
+        others: it is the only one that frees send space and tells decode RELEASED)."""
         while not self._stop.wait(0.02):
             try:
                 self._submit_due()
@@ -1361,9 +1361,7 @@ class ProgressiveSender:
             for room in candidates:
                 try:
                     self._release(room)
-                except Exception as exc:  # not tried again: the next pass goes on with the rest
-                    with self._lock:
-                        self._releasing.discard(room)
+                except Exception as exc:  # tried again next pass: its space is not given up
                     self._reaper_survivor.survived(f"releasing room {room}", exc)
 
     def _release(self, room: int) -> None:
