@@ -269,14 +269,14 @@ def test_the_reaper_survives_an_exception_from_one_room_and_goes_on(
         real_release(room)
 
     monkeypatch.setattr(pair.sender, "_release", release)
-    real_drop = pair.sender._drop_offer
+    real_drop = pair.sender._offers.drop_offer
 
     def drop(room: int, held: object, reason: str) -> None:
         if room == 5:
             raise RuntimeError("a bug dropping an expired offer")
         real_drop(room, held, reason)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pair.sender, "_drop_offer", drop)
+    monkeypatch.setattr(pair.sender._offers, "drop_offer", drop)
     early = pair.reserve(5)
     assert early is not None
     pair.sender.take_offer(5, early.to_wire(), DECODE_ENDPOINT, DECODE_SESSION)  # expires at once

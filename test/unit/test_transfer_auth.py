@@ -26,6 +26,7 @@ from test_transfer_sender_receiver import (
 )
 
 from lynx.transfer import Notice, NoticeKind, Offer, OfferBinding, Stream, Upstream, Verdict, page_slots
+from lynx.transfer import offers as offers_module
 from lynx.transfer.auth import AuthKey
 
 KEY = AuthKey(b"the pair's shared key, 32 bytes!")
@@ -280,7 +281,7 @@ def test_waiting_offers_are_bounded_in_bytes(pairs: Callable[..., Pair]) -> None
     for room in range(100, 200):
         pair.sender.take_offer(room, offer.to_wire(), DECODE_ENDPOINT, f"{long_session}{room}")
     stats = pair.sender.stats()
-    budget = harness.sender_module._EARLY_OFFER_BYTES
+    budget = offers_module._EARLY_OFFER_BYTES
     assert stats.dropped_offers.get("budget", 0) > 0
     assert stats.offers_waiting * 60_000 <= budget
     pair.sender.open_room(199)

@@ -34,9 +34,9 @@ from lynx.transfer import (
     Stream,
     Upstream,
     Verdict,
+    layer_streams,
     page_slots,
 )
-from lynx.transfer import sender as sender_module
 from lynx.transfer.arena import ByteArena
 from lynx.transfer.auth import AuthKey
 from lynx.transfer.protocol import TAG, checksum_values, span_checksum, split_offer
@@ -1806,9 +1806,9 @@ def test_by_default_layers_wait_for_company_only_while_the_high_lane_is_idle(
     plan = RequestLayout(LAYOUT, CodecConfig(), N_TOKENS, Mode.FULL)
     per_layer = plan.segments[0].anchor_nbytes // LAYERS
     pair = pairs(layerwise_from=1, layer_send_bytes=None)
-    monkeypatch.setattr(sender_module, "LAYER_SEND_BYTES", 2 * per_layer)
+    monkeypatch.setattr(layer_streams, "LAYER_SEND_BYTES", 2 * per_layer)
     in_flight = {"now": False}
-    monkeypatch.setattr(pair.sender, "_high_in_flight", lambda room: in_flight["now"])
+    monkeypatch.setattr(pair.sender._layers, "_high_in_flight", lambda room: in_flight["now"])
     offer = pair.offer(48)
     pages = pair.pages(seed=48)
     assert pair.sender.begin_chunk(48, pages[:300])
