@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from lynx.codec import CodecConfig, CodecInputError
 from lynx.codec.format import KeyLayout
 from lynx.codec.format import Residual as ResidualMode
-from lynx.lanes.scheduler import MAX_DEADLINE_S, LaneConfig
+from lynx.lanes.streams import MAX_DEADLINE_S, LaneConfig
 from lynx.mode import Mode
 from lynx.transfer.auth import AuthKey
 from lynx.verify.window import VERIFY_PASSES, VerifyPass

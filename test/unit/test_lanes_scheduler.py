@@ -573,16 +573,16 @@ def test_a_failed_driver_pass_fails_open_requests_and_the_driver_goes_on(fake, m
     grant(lanes, "a", 0, 64 * KIB)
     lanes.submit("a", Lane.HIGH, [(SRC, DST, 16)], last=True)
     (held,) = fake.wait_batches(1)  # in the engine when the pass breaks
-    real_plan = lanes._plan
+    real_plan = lanes._planner.plan
     broken = threading.Event()
 
-    def plan_once_broken(now):
+    def plan_once_broken(peers, now):
         if not broken.is_set():
             broken.set()
             raise RuntimeError("planning bug")
-        return real_plan(now)
+        return real_plan(peers, now)
 
-    monkeypatch.setattr(lanes, "_plan", plan_once_broken)
+    monkeypatch.setattr(lanes._planner, "plan", plan_once_broken)
     # on a busy host the broken pass may run first: it fails the open request then already
     with contextlib.suppress(StreamClosedError):
         lanes.submit("a", Lane.LOW, [(SRC, DST + 32, 16)], last=True)
@@ -617,10 +617,10 @@ def test_a_dead_driver_fails_open_requests_and_refuses_new_work(fake, monkeypatc
     lanes, settled = make(fake)
     grant(lanes, "open", 0, 64 * KIB, lanes=[Lane.HIGH])
 
-    def die(now):
+    def die(peers, now):
         raise DriverKilled("gone")
 
-    monkeypatch.setattr(lanes, "_plan", die)
+    monkeypatch.setattr(lanes._planner, "plan", die)
     lanes.submit("open", Lane.HIGH, [(SRC, DST, 16)], last=True)
     status = lanes.wait("open", Lane.HIGH, 5)
     assert status.state is StreamState.FAILED

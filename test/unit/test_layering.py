@@ -119,3 +119,28 @@ def test_the_gpu_check_steps_import_none_of_each_other() -> None:
 def test_the_cycle_check_finds_a_loop() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_core_has_no_import_cycle() -> None:
+    # A package's __init__ re-exports its modules: importing the package counts as
+    # importing its __init__, which may import any of its own modules, never back.
+    paths = sorted(CORE.rglob("*.py"))
+    modules = {_module_name(path): path for path in paths}
+    graph = {name: _package_imports(path, "lynx") & (set(modules) - {name}) for name, path in modules.items()}
+    assert "lynx.transfer.offers" in graph["lynx.transfer.sender"]
+    assert _cycle(graph) is None, f"import cycle in the core: {' -> '.join(_cycle(graph) or [])}"
+
+
+MAX_CLASS_LINES = 500
+# Classes still over the bound, each with the issue that splits it.
+OVER_MAX_CLASS_LINES = {"SpeculativeDecoder": "#48: to the core, behind a DecodeEngine"}
+
+
+def test_no_class_is_over_500_lines() -> None:
+    over = {
+        node.name
+        for path in sorted(CORE.parent.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef) and (node.end_lineno or 0) - node.lineno >= MAX_CLASS_LINES
+    }
+    assert over == set(OVER_MAX_CLASS_LINES), f"classes over {MAX_CLASS_LINES} lines: {sorted(over)}"

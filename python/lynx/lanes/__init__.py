@@ -6,17 +6,17 @@ the Mooncake Transfer Engine) is the real one.
 
 from lynx.lanes.backend import BatchState, Transfer, TransferBackend, TransferBackendError
 from lynx.lanes.ranges import AddressError, AddressRanges
-from lynx.lanes.scheduler import (
+from lynx.lanes.scheduler import LaneScheduler
+from lynx.lanes.stats import LaneStats, Percentiles, SchedulerStats
+from lynx.lanes.streams import (
     STREAM_TRANSITIONS,
     Lane,
     LaneConfig,
     LaneError,
-    LaneScheduler,
     StreamClosedError,
     StreamState,
     StreamStatus,
 )
-from lynx.lanes.stats import LaneStats, Percentiles, SchedulerStats
 
 __all__ = [
     "STREAM_TRANSITIONS",

@@ -36,215 +36,40 @@ Each call that submits bytes is a *part* of its stream: the engine may land a st
 writes out of order (several chunks in flight), so `parts_landed` counts the parts whose
 every byte landed together with every earlier part's, and `on_progress` reports each
 advance of it that does not also settle the stream.
+
+This module holds the threads and the lock; :mod:`lynx.lanes.queues` the bookkeeping
+(streams, parts, peers' queues, deadlines) and the priority rule (:class:`Planner`),
+without threads; :mod:`lynx.lanes.streams` the vocabulary callers use.
 """
 
 from __future__ import annotations
 
-import enum
-import heapq
-import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from lynx.lanes.backend import BatchState, Transfer, TransferBackend
-from lynx.lanes.pacing import DrainRate
-from lynx.lanes.ranges import AddressError, AddressRanges, check_span
+from lynx.lanes.queues import Deadlines, EngineChunk, LaneRequest, LaneStream, Part, PeerLanes, Planner
+from lynx.lanes.ranges import AddressError, AddressRanges
 from lynx.lanes.stats import LaneRecorder, SchedulerStats
+from lynx.lanes.streams import (
+    TERMINAL_STATES,
+    Lane,
+    LaneConfig,
+    LaneError,
+    StreamClosedError,
+    StreamState,
+    StreamStatus,
+    check_deadline,
+)
 
 log = logging.getLogger(__name__)
 _SUBMIT_RAISED = object()  # the handle of a chunk whose submit_write raised
 _NOT_SUBMITTED = object()  # the handle of a chunk whose stream settled before its submit
 _SUBMITTER_LINGER_S = 1.0  # an idle peer's submitter thread waits this long for more work
-MAX_DEADLINE_S = 3600.0
-"""Longest per-request deadline: a transfer still open after an hour has a dead peer, and
-a finite bound keeps every wait the driver computes representable."""
-_HIGH_POLL_FRACTION = 1 / 8  # of a peer's expected drain time, the driver's sleep (poll_high_max_s)
 _DRIVER_ERROR_PAUSE_S = 0.05  # after a failed pass: a fault that repeats must not spin a core
-
-
-def check_deadline(seconds: float, what: str = "deadline_s") -> None:
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_DEADLINE_S):
-        raise ValueError(f"{what} must be in (0, {MAX_DEADLINE_S:g}] seconds, got {seconds}")
-
-
-class Lane(enum.IntEnum):
-    """HIGH carries the Anchor (and small auxiliary data); LOW carries the Residual."""
-
-    HIGH = 0
-    LOW = 1
-
-
-class StreamState(enum.Enum):
-    IDLE = "idle"  # registered, nothing submitted yet
-    OPEN = "open"  # bytes submitted, not all landed or `last` not yet seen
-    DONE = "done"  # every byte landed after the last submit
-    FAILED = "failed"  # the engine failed a write of this request, or its deadline passed
-    ABORTED = "aborted"  # abort() was called before the stream finished
-
-
-STREAM_TRANSITIONS: dict[StreamState, frozenset[StreamState]] = {
-    StreamState.IDLE: frozenset({StreamState.OPEN, StreamState.FAILED, StreamState.ABORTED}),
-    StreamState.OPEN: frozenset({StreamState.DONE, StreamState.FAILED, StreamState.ABORTED}),
-    StreamState.DONE: frozenset(),
-    StreamState.FAILED: frozenset(),
-    StreamState.ABORTED: frozenset(),
-}
-TERMINAL_STATES = frozenset(s for s, nxt in STREAM_TRANSITIONS.items() if not nxt)
-
-
-class LaneError(RuntimeError):
-    """A lanes operation that the current state of a request does not allow."""
-
-
-class StreamClosedError(LaneError):
-    """`submit` on a stream that already got `last=True` or has settled."""
-
-
-@dataclass(frozen=True)
-class StreamStatus:
-    request_id: str
-    lane: Lane
-    state: StreamState
-    bytes_submitted: int
-    bytes_done: int
-    error: str | None
-    parts_landed: int = 0  # submit calls with bytes, all landed with every earlier one
-
-
-@dataclass(frozen=True)
-class LaneConfig:
-    """Scheduling knobs; defaults from benchmark/lanes.py (loopback and a 1 Gbit/s link)."""
-
-    # LOW chunk size: `low_chunk_s` of link time at the peer's measured drain rate, within
-    # [low_chunk_min_bytes, low_chunk_max_bytes]; `low_chunk_bytes` until it is measured,
-    # and always if `low_chunk_s` is None.
-    low_chunk_s: float | None = 2e-3
-    low_chunk_bytes: int = 1 << 20
-    low_chunk_min_bytes: int = 64 << 10
-    low_chunk_max_bytes: int = 16 << 20
-    low_inflight: int = 2  # LOW chunks in the engine per peer: what a HIGH write competes with
-    deadline_s: float = 30.0  # default per-request deadline, from register_destination
-    poll_min_s: float = 50e-6
-    poll_max_s: float = 1e-3
-    # While HIGH writes are in the engine: their landing is what receivers wait for, and
-    # what LOW waits for to resume, so it is noticed within this, not within poll_max_s.
-    # (Mooncake runs a peer's first 4 transfers in parallel, one per TCP connection, so a
-    # HIGH write may land before LOW chunks submitted ahead of it.)
-    poll_high_s: float = 100e-6
-    # ... unless every peer with HIGH writes in the engine has a measured drain rate: then
-    # the driver sleeps an eighth of the soonest time one of them can drain its bytes in
-    # the engine, within [poll_high_s, poll_high_max_s]. On a slow link HIGH writes are in
-    # the engine for seconds (an Anchor sent layer by layer during prefill's forward), and
-    # polling each 100 us took 14% of a core and the GIL from that forward (SmolLM2 2k at
-    # 20 Mbit/s); a landing is still noticed within an eighth of its write's link time.
-    poll_high_max_s: float = 5e-3
-
-    def __post_init__(self) -> None:
-        if self.low_chunk_bytes <= 0 or self.low_inflight <= 0:
-            raise ValueError("low_chunk_bytes and low_inflight must be positive")
-        if self.low_chunk_s is not None and self.low_chunk_s <= 0:
-            raise ValueError("low_chunk_s must be positive (or None for fixed chunks)")
-        if not 0 < self.low_chunk_min_bytes <= self.low_chunk_max_bytes:
-            raise ValueError("need 0 < low_chunk_min_bytes <= low_chunk_max_bytes")
-        check_deadline(self.deadline_s)
-        if not 0 < self.poll_min_s <= self.poll_max_s:
-            raise ValueError("need 0 < poll_min_s <= poll_max_s")
-        if not 0 < self.poll_high_s <= self.poll_max_s:
-            raise ValueError("need 0 < poll_high_s <= poll_max_s")
-        if self.poll_high_max_s < self.poll_high_s:
-            raise ValueError("need poll_high_s <= poll_high_max_s")
-
-
-class _Stream:
-    def __init__(self, request: _Request, lane: Lane) -> None:
-        self.request = request
-        self.lane = lane
-        self.state = StreamState.IDLE
-        self.bytes_submitted = 0
-        self.bytes_done = 0
-        self.unlanded: deque[_Item] = deque()  # its parts not wholly landed, oldest first
-        self.parts_landed = 0
-        self.last_seen = False
-        self.last_submit_at = 0.0
-        self.error: str | None = None
-
-    def status(self) -> StreamStatus:
-        return StreamStatus(
-            self.request.request_id,
-            self.lane,
-            self.state,
-            self.bytes_submitted,
-            self.bytes_done,
-            self.error,
-            self.parts_landed,
-        )
-
-    def count_landed_parts(self) -> bool:
-        """Count the parts at the head of :attr:`unlanded` that landed; whether any did."""
-        landed = self.parts_landed
-        while self.unlanded and not self.unlanded[0].remaining:
-            self.unlanded.popleft()
-            self.parts_landed += 1
-        return self.parts_landed > landed
-
-
-class _Request:
-    def __init__(self, request_id: str, peer: _Peer, grants: AddressRanges, timeout_s: float) -> None:
-        self.request_id = request_id
-        self.peer = peer
-        self.grants = grants
-        self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
-        self.streams: dict[Lane, _Stream] = {}
-        self.chunks_in_engine = 0  # the engine may still read this request's source bytes
-
-    def settled(self) -> bool:
-        return all(s.state in TERMINAL_STATES for s in self.streams.values())
-
-
-@dataclass
-class _Item:
-    """The transfers of one `submit` call (a part of its stream), waiting in a peer's lane
-    queue; ``remaining``: its bytes not landed yet (queued or in the engine)."""
-
-    stream: _Stream
-    transfers: deque[Transfer]
-    enqueued_at: float
-    remaining: int
-
-
-@dataclass
-class _Chunk:
-    """One batch handed to the engine; belongs to exactly one stream."""
-
-    stream: _Stream
-    item: _Item  # the part it was cut from
-    transfers: list[Transfer]
-    nbytes: int
-    handle: object = None  # set by the peer's submitter once the engine took the chunk
-
-
-class _Peer:
-    def __init__(self, session: str, lock: threading.Lock) -> None:
-        self.session = session
-        self.queues: dict[Lane, deque[_Item]] = {lane: deque() for lane in Lane}
-        self.in_engine: dict[Lane, int] = dict.fromkeys(Lane, 0)
-        # The engine's first write to a peer opens it (a handshake) under a mutex that every
-        # submit takes, for as long as the peer does not answer: a frozen peer would stall
-        # all peers, forever. So a peer is probed first, on a helper thread, and gets writes
-        # only once it has answered; again after a write to it failed.
-        self.probing = False
-        self.opened = False
-        self.drain = DrainRate()
-        # Chunks planned for this peer, waiting for its submitter thread (None while none runs).
-        self.outbox: deque[_Chunk] = deque()
-        self.submitter: threading.Thread | None = None
-        self.outbox_filled = threading.Condition(lock)  # the scheduler's lock
 
 
 class LaneScheduler:
@@ -271,12 +96,12 @@ class LaneScheduler:
         self._wake = threading.Condition(self._lock)  # driver: new work or events
         self._settle = threading.Condition(self._lock)  # waiters: some stream settled
         self._sources = AddressRanges()
-        self._requests: dict[str, _Request] = {}
-        self._peers: dict[str, _Peer] = {}
-        self._deadlines: list[tuple[float, int, _Request]] = []
-        self._seq = itertools.count()
+        self._requests: dict[str, LaneRequest] = {}
+        self._peers: dict[str, PeerLanes] = {}
+        self._deadlines = Deadlines()
         self._events: list[StreamStatus] = []
         self._recorders = {lane: LaneRecorder() for lane in Lane}
+        self._planner = Planner(self._config, self._recorders)
         self._polls = 0
         self._closing = False
         self._abandon = False
@@ -332,13 +157,13 @@ class LaneScheduler:
                 raise LaneError(f"request {request_id!r} is already registered")
             peer_state = self._peers.get(peer)
             if peer_state is None:
-                peer_state = self._peers[peer] = _Peer(peer, self._lock)
-            request = _Request(request_id, peer_state, grants, timeout)
-            request.streams = {Lane(lane): _Stream(request, Lane(lane)) for lane in lanes}
+                peer_state = self._peers[peer] = PeerLanes(peer, self._lock)
+            request = LaneRequest(request_id, peer_state, grants, timeout)
+            request.streams = {Lane(lane): LaneStream(request, Lane(lane)) for lane in lanes}
             if not request.streams:
                 raise ValueError(f"request {request_id!r}: no lanes")
             self._requests[request_id] = request
-            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+            self._deadlines.add(request)
             self._wake.notify()
 
     def submit(
@@ -368,17 +193,17 @@ class LaneScheduler:
                     f"request {request_id!r} {stream.lane.name}: stream is {stream.state.value}"
                     + (" and got last=True" if stream.last_seen else "")
                 )
-            coalesced = self._validated(stream.request, batch)
+            coalesced = stream.request.validated(batch, self._sources)
             now = time.monotonic()
             nbytes = sum(t.length for t in coalesced)
             if stream.state is StreamState.IDLE:
-                self._move(stream, StreamState.OPEN)
+                stream.move(StreamState.OPEN)
             stream.bytes_submitted += nbytes
             if last:
                 stream.last_seen = True
                 stream.last_submit_at = now
             if coalesced:
-                item = _Item(stream, deque(coalesced), now, nbytes)
+                item = Part(stream, deque(coalesced), now, nbytes)
                 stream.unlanded.append(item)
                 stream.request.peer.queues[stream.lane].append(item)
                 self._wake.notify()
@@ -481,13 +306,13 @@ class LaneScheduler:
         if self._driver_stopped is not None:
             raise LaneError(f"lanes driver stopped ({self._driver_stopped}): no transfer can move")
 
-    def _request(self, request_id: str) -> _Request:
+    def _request(self, request_id: str) -> LaneRequest:
         try:
             return self._requests[request_id]
         except KeyError:
             raise KeyError(f"unknown request {request_id!r}") from None
 
-    def _stream(self, request_id: str, lane: Lane) -> _Stream:
+    def _stream(self, request_id: str, lane: Lane) -> LaneStream:
         request = self._request(request_id)
         try:
             return request.streams[Lane(lane)]
@@ -495,39 +320,8 @@ class LaneScheduler:
             name = lane.name if isinstance(lane, Lane) else repr(lane)
             raise LaneError(f"request {request_id!r} has no {name} lane") from None
 
-    def _validated(self, request: _Request, batch: Sequence[Transfer]) -> list[Transfer]:
-        """Check every transfer against sources and grants; merge contiguous neighbours."""
-        merged: list[Transfer] = []
-        for i, t in enumerate(batch):
-            what = f"request {request.request_id!r} transfer #{i}"
-            check_span(f"{what} source", t.src, t.length)
-            check_span(f"{what} destination", t.dst, t.length)
-            if not self._sources.covers(t.src, t.length):
-                raise AddressError(f"{what} reads 0x{t.src:x}+{t.length}, outside every registered source")
-            if not request.grants.covers(t.dst, t.length):
-                raise AddressError(
-                    f"{what} writes 0x{t.dst:x}+{t.length} on {request.peer.session}, "
-                    "outside the ranges granted to this request"
-                )
-            prev = merged[-1] if merged else None
-            if (
-                prev is not None
-                and prev.src + prev.length == t.src
-                and prev.dst + prev.length == t.dst
-                and self._sources.covers(prev.src, prev.length + t.length)
-            ):
-                merged[-1] = Transfer(prev.src, prev.dst, prev.length + t.length)
-            else:
-                merged.append(t)
-        return merged
-
-    def _move(self, stream: _Stream, state: StreamState) -> None:
-        if state not in STREAM_TRANSITIONS[stream.state]:
-            raise AssertionError(f"stream {stream.state.value} -> {state.value} is not allowed")
-        stream.state = state
-
-    def _settle_stream(self, stream: _Stream, state: StreamState, error: str | None, now: float) -> None:
-        self._move(stream, state)
+    def _settle_stream(self, stream: LaneStream, state: StreamState, error: str | None, now: float) -> None:
+        stream.move(state)
         stream.error = error
         recorder = self._recorders[stream.lane]
         if state is StreamState.DONE:
@@ -541,7 +335,7 @@ class LaneScheduler:
         self._settle.notify_all()
         self._wake.notify()
 
-    def _end_request(self, request: _Request, state: StreamState, error: str, now: float) -> None:
+    def _end_request(self, request: LaneRequest, state: StreamState, error: str, now: float) -> None:
         """Settle every open stream of `request` as `state`, drop its queued writes."""
         for stream in request.streams.values():
             if stream.state not in TERMINAL_STATES:
@@ -575,7 +369,7 @@ class LaneScheduler:
                 self._end_request(request, StreamState.FAILED, error, now)
 
     def _drive(self) -> None:
-        in_engine: list[_Chunk] = []
+        in_engine: list[EngineChunk] = []
         backoff = self._config.poll_min_s
         while True:
             try:
@@ -591,14 +385,14 @@ class LaneScheduler:
             if stop:
                 return
 
-    def _drive_once(self, in_engine: list[_Chunk], backoff: float) -> tuple[bool, float]:
+    def _drive_once(self, in_engine: list[EngineChunk], backoff: float) -> tuple[bool, float]:
         """One pass: expire, plan, hand over to the submitters, poll, apply; returns (stop, next backoff).
         ``in_engine`` (the chunks the engine holds) is updated in place, so a pass that
         raises loses none of them."""
         with self._lock:
             now = time.monotonic()
             self._expire(now)
-            plan, to_probe = self._plan(now)
+            plan, to_probe = self._planner.plan(self._peers.values(), now)
             self._hand_over(plan)
             in_engine.extend(plan)  # counted from the hand-over on, whatever this pass does next
             events, self._events = self._events, []
@@ -608,13 +402,13 @@ class LaneScheduler:
                     high = any(chunk.stream.lane is Lane.HIGH for chunk in in_engine)
                     if high:
                         self._wake.wait(
-                            max(min(backoff, self._config.poll_high_s), self._high_poll_s(in_engine))
+                            max(min(backoff, self._config.poll_high_s), self._planner.high_poll_s(in_engine))
                         )
                     else:
                         self._wake.wait(backoff)
                     backoff = min(2 * backoff, self._config.poll_max_s)
                 else:
-                    self._wake.wait(self._until_next_deadline(now))
+                    self._wake.wait(self._deadlines.until_next(now))
         for status in events:
             self._notify(status)
         if stop:
@@ -635,23 +429,7 @@ class LaneScheduler:
                 self._apply(resolved, time.monotonic())
         return False, backoff
 
-    def _high_poll_s(self, in_engine: list[_Chunk]) -> float:
-        """(Lock held) The longest the driver may sleep with HIGH writes in the engine, by
-        the drain rates of their peers (LaneConfig.poll_high_max_s); 0 if one is unmeasured."""
-        queued: dict[_Peer, int] = {}
-        for chunk in in_engine:
-            peer = chunk.stream.request.peer
-            queued[peer] = queued.get(peer, 0) + chunk.nbytes
-        soonest = math.inf
-        for chunk in in_engine:
-            if chunk.stream.lane is Lane.HIGH:
-                peer = chunk.stream.request.peer
-                if not peer.drain.rate:  # unmeasured, or only failed writes (0 B/s)
-                    return 0.0
-                soonest = min(soonest, queued[peer] / peer.drain.rate)
-        return min(soonest * _HIGH_POLL_FRACTION, self._config.poll_high_max_s)
-
-    def _recount_in_engine(self, in_engine: list[_Chunk]) -> None:
+    def _recount_in_engine(self, in_engine: list[EngineChunk]) -> None:
         """After a failed pass: the per-peer and per-request counts of writes in the
         engine are what ``in_engine`` holds (a pass may have stopped between counting a
         chunk and handing it over), so no peer's LOW lane stays blocked by a lost count."""
@@ -663,7 +441,7 @@ class LaneScheduler:
             chunk.stream.request.peer.in_engine[chunk.stream.lane] += 1
             chunk.stream.request.chunks_in_engine += 1
 
-    def _hand_over(self, plan: list[_Chunk]) -> None:
+    def _hand_over(self, plan: list[EngineChunk]) -> None:
         """Queue planned chunks on their peers' submitters, starting those not running."""
         for chunk in plan:
             peer = chunk.stream.request.peer
@@ -676,7 +454,7 @@ class LaneScheduler:
             else:
                 peer.outbox_filled.notify()
 
-    def _submit_for(self, peer: _Peer) -> None:
+    def _submit_for(self, peer: PeerLanes) -> None:
         """Submitter thread of one peer: hands its chunks to the engine in plan order, then
         lingers a while for more before it ends."""
         while True:
@@ -695,14 +473,14 @@ class LaneScheduler:
                 chunk.handle = handle
                 self._wake.notify()
 
-    def _submit(self, chunk: _Chunk) -> object:
+    def _submit(self, chunk: EngineChunk) -> object:
         try:
             return self._backend.submit_write(chunk.stream.request.peer.session, chunk.transfers)
         except Exception:
             log.exception("lanes: submit_write to %s raised", chunk.stream.request.peer.session)
             return _SUBMIT_RAISED
 
-    def _poll(self, chunk: _Chunk) -> BatchState:
+    def _poll(self, chunk: EngineChunk) -> BatchState:
         if chunk.handle is None:  # its submit has not returned yet
             return BatchState.PENDING
         if chunk.handle is _SUBMIT_RAISED:
@@ -715,7 +493,7 @@ class LaneScheduler:
             log.exception("lanes: polling a write to %s raised", chunk.stream.request.peer.session)
             return BatchState.FAILED
 
-    def _probe(self, peer: _Peer) -> None:
+    def _probe(self, peer: PeerLanes) -> None:
         """Helper thread: may block as long as the peer does not answer."""
         try:
             reachable = self._backend.probe(peer.session)
@@ -744,99 +522,12 @@ class LaneScheduler:
         except Exception:
             log.exception("lanes callback raised for %s", status)
 
-    def _until_next_deadline(self, now: float) -> float | None:
-        while self._deadlines and self._deadlines[0][2].settled():
-            heapq.heappop(self._deadlines)
-        return max(0.0, self._deadlines[0][0] - now) if self._deadlines else None
-
     def _expire(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, request = heapq.heappop(self._deadlines)
-            if not request.settled():
-                self._end_request(request, StreamState.FAILED, self._overdue(request), now)
+        for request in self._deadlines.overdue(now):
+            self._end_request(request, StreamState.FAILED, request.overdue(), now)
 
-    def _overdue(self, request: _Request) -> str:
-        """The deadline error, saying where each open stream stood: an operator must tell a
-        stream whose last bytes never came from one whose writes the engine never finished."""
-        queued = {lane: 0 for lane in Lane}
-        for lane, queue in request.peer.queues.items():
-            queued[lane] = sum(1 for item in queue if item.stream.request is request)
-        where = []
-        for lane, stream in request.streams.items():
-            if stream.state in TERMINAL_STATES:
-                continue
-            where.append(
-                f"{lane.name}: {stream.bytes_done} of {stream.bytes_submitted} bytes landed, "
-                f"{queued[lane]} queued, "
-                + ("last part submitted" if stream.last_seen else "last part not submitted yet")
-            )
-        return (
-            f"deadline of {request.timeout_s:g} s passed ({'; '.join(where)}; "
-            f"{request.chunks_in_engine} write(s) in the engine)"
-        )
-
-    def _plan(self, now: float) -> tuple[list[_Chunk], list[_Peer]]:
-        """Pick what goes to the engine now, and which new peers to probe first."""
-        plan: list[_Chunk] = []
-        to_probe: list[_Peer] = []
-        for peer in self._peers.values():
-            if peer.opened:
-                while (chunk := self._next_chunk(peer, now)) is not None:
-                    plan.append(chunk)
-            elif not peer.probing and any(peer.queues.values()):
-                peer.probing = True
-                to_probe.append(peer)
-        return plan, to_probe
-
-    def _next_chunk(self, peer: _Peer, now: float) -> _Chunk | None:
-        """The priority rule: any HIGH item, whole; else a LOW chunk, if the peer has no
-        HIGH write in the engine and a free LOW slot."""
-        high, low = peer.queues[Lane.HIGH], peer.queues[Lane.LOW]
-        if high:
-            item = high.popleft()
-            return self._chunk(item, list(item.transfers), now)
-        if not low or peer.in_engine[Lane.HIGH]:
-            return None
-        if peer.in_engine[Lane.LOW] >= self._config.low_inflight:
-            return None
-        item = low[0]
-        chunk = self._chunk(item, self._cut(item), now)
-        if not item.transfers:
-            low.popleft()
-        return chunk
-
-    def _cut(self, item: _Item) -> list[Transfer]:
-        """Take up to one LOW chunk's worth of bytes from the front of a LOW item."""
-        config = self._config
-        budget = config.low_chunk_bytes
-        if config.low_chunk_s is not None:
-            budget = item.stream.request.peer.drain.chunk_bytes(
-                config.low_chunk_s,
-                config.low_chunk_bytes,
-                config.low_chunk_min_bytes,
-                config.low_chunk_max_bytes,
-            )
-        taken: list[Transfer] = []
-        queue = item.transfers
-        while queue and budget:
-            t = queue.popleft()
-            if t.length > budget:
-                queue.appendleft(Transfer(t.src + budget, t.dst + budget, t.length - budget))
-                t = Transfer(t.src, t.dst, budget)
-            taken.append(t)
-            budget -= t.length
-        return taken
-
-    def _chunk(self, item: _Item, transfers: list[Transfer], now: float) -> _Chunk:
-        stream = item.stream
-        stream.request.peer.in_engine[stream.lane] += 1
-        stream.request.peer.drain.started(now)
-        stream.request.chunks_in_engine += 1
-        self._recorders[stream.lane].queue_delays.append(now - item.enqueued_at)
-        return _Chunk(stream, item, transfers, sum(t.length for t in transfers))
-
-    def _apply(self, resolved: list[tuple[_Chunk, BatchState]], now: float) -> None:
-        landed: dict[_Peer, int] = {}
+    def _apply(self, resolved: list[tuple[EngineChunk, BatchState]], now: float) -> None:
+        landed: dict[PeerLanes, int] = {}
         for chunk, state in resolved:
             stream = chunk.stream
             request = stream.request
