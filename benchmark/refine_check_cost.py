@@ -24,7 +24,7 @@ from checksum_cost import kv_parser, synthetic_kv
 
 from lynx.codec import CodecConfig, encode_pages
 from lynx.mode import Mode
-from lynx.transfer import Handshake, Notice, NoticeKind, ProgressiveReceiver, RequestLayout, Stream, Upstream
+from lynx.transfer import AuxStatus, Handshake, Notice, NoticeKind, ProgressiveReceiver, RequestLayout, Stream
 from lynx.transfer.protocol import TAG, checksum_values, span_checksum
 
 ROOM = 1
@@ -76,7 +76,7 @@ def main() -> None:
     accept = Notice(NoticeKind.ACCEPT, ROOM, offer.nonce, handshake=handshake.to_wire()).to_frames()
     receiver.on_notice(accept)
     receiver.on_notice(landed[Stream.ANCHOR])
-    assert receiver.verdict(ROOM, Upstream.SUCCESS)[0].value == "ready"
+    assert receiver.verdict(ROOM, AuxStatus.SUCCESS)[0].value == "ready"
     receiver.write_kv(ROOM, slots)  # decoding on the Anchor
 
     live = landed[Stream.ANCHOR][2]

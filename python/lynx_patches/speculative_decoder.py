@@ -166,11 +166,13 @@ class SpeculativeDecoder:
         # before it takes requests out to verify or fail them.
         self.overlap = overlap
         self.tolerance = tolerance
-        self.verify_in_steps = verify_pass != "batched"
-        # ``--lynx-verify-pass layers``: a parked request's held rows run through each
-        # layer as its Residual refines it, while the rest travels. None until the
-        # scheduler's model is checked (upstream.layerwise_unsupported).
-        self._layerwise: bool | None = None if verify_pass == "layers" else False
+        # The verify pass held tokens get: ``--lynx-verify-pass``, until ``layers`` (a
+        # parked request's held rows run through each layer as its Residual refines it,
+        # while the rest travels) proves unsupported on this server or fails: then
+        # ``steps``. ``layers`` is "steps" for the window until the scheduler's model is
+        # checked (upstream.layerwise_unsupported), before the first admission.
+        self._verify_pass: VerifyPass = verify_pass
+        self._layerwise_checked = verify_pass != "layers"
         self.draft_memory_bytes = draft_memory_bytes
         self.page_size = page_size
         self.metrics = metrics
@@ -276,9 +278,9 @@ class SpeculativeDecoder:
     @property
     def verify_pass(self) -> VerifyPass:
         """The verify pass held tokens get (``layers`` only where upstream runs it)."""
-        if self._layerwise:
-            return "layers"
-        return "steps" if self.verify_in_steps else "batched"
+        if self._verify_pass == "layers" and not self._layerwise_checked:
+            return "steps"
+        return self._verify_pass
 
     def _wait(self, spec: Speculation, reason: ParkReason) -> None:
         """Park a request that holds nothing: it waits for its Residual without drafting."""
@@ -407,7 +409,7 @@ class SpeculativeDecoder:
                 upstream.advance_layerwise(scheduler, spec.req, spec.prompt_len, rows, layers)
             except Exception:  # a Lynx bug: every verify pass runs in steps from now on
                 logger.exception("Lynx: room %s: verifying its held tokens layer by layer failed", spec.room)
-                self._layerwise = False
+                self._verify_pass = "steps"
                 for other in self._speculations.values():
                     other.layerwise = None
                 return
@@ -417,7 +419,7 @@ class SpeculativeDecoder:
             self.stats.verify_ahead_seconds += elapsed
 
     def _layerwise_supported(self, scheduler: Any) -> bool:
-        if self._layerwise is None:
+        if not self._layerwise_checked:
             why = upstream.layerwise_unsupported(scheduler)
             if why is not None:
                 logger.warning(
@@ -425,8 +427,9 @@ class SpeculativeDecoder:
                     "layer by layer as it does (--lynx-verify-pass layers): %s",
                     why,
                 )
-            self._layerwise = why is None
-        return self._layerwise
+                self._verify_pass = "steps"
+            self._layerwise_checked = True
+        return self._verify_pass == "layers"
 
     def _agree(
         self, polled: list[tuple[Any, Verdict, str | None]], reduce_min: ReduceMin | None
@@ -665,7 +668,7 @@ class SpeculativeDecoder:
                 scheduler,
                 [specs[n].req for n in rest],
                 [specs[n].prompt_len for n in rest],
-                in_steps=self.verify_in_steps,
+                in_steps=self._verify_pass != "batched",
                 stop=lambda m, i, row: stop(rest[m], i, row),
             )
             logits.update(zip(rest, computed, strict=True))

@@ -28,7 +28,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from lynx.codec import CodecConfig, KVLayout
 from lynx.lanes import BatchState, LaneConfig, Transfer
 from lynx.threads import Survivor
-from lynx.transfer import Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Upstream, Verdict
+from lynx.transfer import AuxStatus, Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Verdict
 from lynx_patches import upstream
 from lynx_patches.mooncake_connector import RECEIVER_STEPS, LynxKVManager, LynxKVReceiver, LynxKVSender
 
@@ -86,7 +86,7 @@ def duplicate_room() -> dict:
     return {
         "polled_failed": polled == KVPoll.Failed,
         "reason": raised,
-        "first_kept": receiver.verdict(ROOM, Upstream.PENDING) == (Verdict.WAIT, None),
+        "first_kept": receiver.verdict(ROOM, AuxStatus.PENDING) == (Verdict.WAIT, None),
         "first_offer_kept": first is not None and receiver.reserve(ROOM) == first,
         "room_status_kept": manager.request_status == {ROOM: KVPoll.WaitingForInput},
         "failure_records": manager.failure_records,

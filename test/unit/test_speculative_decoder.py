@@ -246,7 +246,13 @@ def test_verification_commits_the_accepted_prefix_and_the_correction(world: Simp
 def test_the_verify_pass_runs_as_configured(world: SimpleNamespace, in_steps: bool) -> None:
     """In decode steps unless ``--lynx-verify-pass batched`` (one forward)."""
     if not in_steps:
-        world.decoder.verify_in_steps = False
+        world.decoder = SpeculativeDecoder(
+            world.receiver,  # type: ignore[arg-type]
+            max_tokens=3,
+            page_size=1,
+            metrics=None,
+            verify_pass="batched",
+        )
     req = Req("a")
     scheduler = admitted(world, req)
     req.decode_one(world.decoder, 1)

@@ -25,7 +25,7 @@ from test_transfer_sender_receiver import (
     reference_rows,
 )
 
-from lynx.transfer import Notice, NoticeKind, Offer, OfferBinding, Stream, Upstream, Verdict, page_slots
+from lynx.transfer import AuxStatus, Notice, NoticeKind, Offer, OfferBinding, Stream, Verdict, page_slots
 from lynx.transfer import offers as offers_module
 from lynx.transfer.auth import AuthKey
 
@@ -84,7 +84,7 @@ def test_unsigned_badly_signed_and_other_keys_notices_are_dropped_and_counted(
     stats = pair.receiver.stats()
     assert stats.dropped_notices == {"unsigned": 2, "bad_signature": 3}
     assert pair.dropped == ["unsigned", "unsigned", "bad_signature", "bad_signature", "bad_signature"]
-    assert pair.receiver.verdict(2, Upstream.PENDING) == (Verdict.WAIT, None)
+    assert pair.receiver.verdict(2, AuxStatus.PENDING) == (Verdict.WAIT, None)
     assert stats.buffer_used and stats.quarantined == 0
     warnings = [r.getMessage() for r in caplog.records]
     assert warnings == [  # once per peer and reason, naming what to check

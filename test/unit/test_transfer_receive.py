@@ -9,6 +9,7 @@ from lynx.codec import CodecConfig, KVLayout
 from lynx.mode import Mode
 from lynx.transfer import (
     RECEIVE_TRANSITIONS,
+    AuxStatus,
     Handshake,
     Notice,
     NoticeKind,
@@ -16,7 +17,6 @@ from lynx.transfer import (
     ReceiveTracker,
     RequestLayout,
     Stream,
-    Upstream,
     Verdict,
 )
 
@@ -115,7 +115,7 @@ def test_offered_records_the_time_and_moves() -> None:
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY, S.COMPLETE])
 def test_wait_while_upstream_pending(state: ReceiveState) -> None:
     t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, plan=plan(), state=state)
-    assert t.verdict(Upstream.PENDING, now=1e9) is Verdict.WAIT
+    assert t.verdict(AuxStatus.PENDING, now=1e9) is Verdict.WAIT
     assert t.state is state and t.error is None
     assert t.upstream_success_at is None  # the deadline only runs from upstream's Success
 
@@ -123,7 +123,7 @@ def test_wait_while_upstream_pending(state: ReceiveState) -> None:
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED, S.ACCEPTED, S.ANCHOR_READY])
 def test_upstream_failure_fails(state: ReceiveState) -> None:
     t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, plan=plan(), state=state)
-    assert t.verdict(Upstream.FAILED, now=0.0) is Verdict.FAIL
+    assert t.verdict(AuxStatus.FAILED, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error == "the upstream KV transfer failed"
 
@@ -133,7 +133,7 @@ def test_upstream_failure_stands_even_when_every_byte_landed() -> None:
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
     t.on_notice(landed(Stream.RESIDUAL), PEER, now=1.5)
     assert t.state is S.COMPLETE
-    assert t.verdict(Upstream.FAILED, now=2.0) is Verdict.FAIL
+    assert t.verdict(AuxStatus.FAILED, now=2.0) is Verdict.FAIL
     assert t.error == "the upstream KV transfer failed"
 
 
@@ -143,30 +143,30 @@ def test_a_landing_before_the_accept_counts_once_accepted() -> None:
     assert t.state is S.OFFERED
     t.on_notice(accept(local("anchor-only")), PEER, now=1.1)
     assert t.state is S.COMPLETE
-    assert t.verdict(Upstream.SUCCESS, now=1.2) is Verdict.READY
+    assert t.verdict(AuxStatus.SUCCESS, now=1.2) is Verdict.READY
 
 
 @pytest.mark.parametrize("state", [S.WAITING_SPACE, S.OFFERED])
 def test_upstream_success_without_accept_fails_naming_the_flag(state: ReceiveState) -> None:
     t = ReceiveTracker(room=7, local=local(), deadline_s=DEADLINE, plan=plan(), state=state)
-    assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.FAIL
+    assert t.verdict(AuxStatus.SUCCESS, now=0.0) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error is not None
     assert "without answering Lynx's handshake" in t.error
     assert "--lynx" in t.error
-    assert t.verdict(Upstream.SUCCESS, now=0.1) is Verdict.FAIL  # and stays failed
+    assert t.verdict(AuxStatus.SUCCESS, now=0.1) is Verdict.FAIL  # and stays failed
 
 
 def test_full_mode_waits_for_the_residual() -> None:
     t = tracker("full")
     assert t.state is S.ACCEPTED
-    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.SUCCESS, now=1.0) is Verdict.WAIT
     t.on_notice(landed(Stream.ANCHOR, checksums=(1, 2)), PEER, now=1.5)
     assert t.state is S.ANCHOR_READY
-    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.SUCCESS, now=2.0) is Verdict.WAIT
     t.on_notice(landed(Stream.RESIDUAL, checksums=(3, 4)), PEER, now=2.5)
     assert t.state is S.COMPLETE
-    assert t.verdict(Upstream.SUCCESS, now=3.0) is Verdict.READY
+    assert t.verdict(AuxStatus.SUCCESS, now=3.0) is Verdict.READY
     assert t.landed == plan().sent_nbytes()
     assert t.checksums == {Stream.ANCHOR: (1, 2), Stream.RESIDUAL: (3, 4)}  # for write_kv to check
     assert t.landed_at == {Stream.ANCHOR: 1.5, Stream.RESIDUAL: 2.5}
@@ -178,25 +178,25 @@ def test_full_mode_residual_landing_first_waits_for_the_anchor() -> None:
     t = tracker("full")
     t.on_notice(landed(Stream.RESIDUAL), PEER, now=1.0)
     assert t.state is S.ACCEPTED
-    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.SUCCESS, now=1.0) is Verdict.WAIT
     t.on_notice(landed(Stream.ANCHOR), PEER, now=2.0)
     assert t.state is S.COMPLETE
-    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
+    assert t.verdict(AuxStatus.SUCCESS, now=2.0) is Verdict.READY
 
 
 def test_anchor_only_decodes_after_the_anchor() -> None:
     t = tracker("anchor-only")
-    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.SUCCESS, now=1.0) is Verdict.WAIT
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.5)
     assert t.state is S.COMPLETE  # nothing else will come
-    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
+    assert t.verdict(AuxStatus.SUCCESS, now=2.0) is Verdict.READY
 
 
 def test_speculative_decodes_on_the_anchor_and_completes_on_the_residual() -> None:
     t = tracker("speculative")
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
     assert t.state is S.ANCHOR_READY
-    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.READY
+    assert t.verdict(AuxStatus.SUCCESS, now=1.0) is Verdict.READY
     t.on_notice(landed(Stream.RESIDUAL), PEER, now=2.0)
     assert t.state is S.COMPLETE
 
@@ -262,7 +262,7 @@ def test_every_token_protected_completes_on_the_anchor(mode: Mode) -> None:
     t = ReceiveTracker(room=7, local=handshake, deadline_s=DEADLINE, plan=layout)
     t.offered(now=0.0)
     t.on_notice(accept(handshake), PEER, now=0.5)
-    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.SUCCESS, now=1.0) is Verdict.WAIT
     t.on_notice(landed(Stream.RESIDUAL), PEER, now=1.2)  # not a stream of this request
     assert t.error == f"prefill {PEER} reported the Residual landed with a stream this request does not send"
     t = ReceiveTracker(room=7, local=handshake, deadline_s=DEADLINE, plan=layout)
@@ -271,14 +271,14 @@ def test_every_token_protected_completes_on_the_anchor(mode: Mode) -> None:
     nbytes, segments = layout.anchor_nbytes, len(layout.stream_ranges(Stream.ANCHOR))
     t.on_notice(landed(Stream.ANCHOR, nbytes, checksums=(0,) * segments), PEER, now=1.5)
     assert t.state is S.COMPLETE  # nothing else will come
-    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.READY
+    assert t.verdict(AuxStatus.SUCCESS, now=2.0) is Verdict.READY
     assert t.residual_verdict(now=2.0) is Verdict.READY
 
 
 def test_anchor_ready_but_upstream_pending_waits() -> None:
     t = tracker("anchor-only")
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
-    assert t.verdict(Upstream.PENDING, now=1.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.PENDING, now=1.0) is Verdict.WAIT
 
 
 @pytest.mark.parametrize(("stream", "name"), [(Stream.ANCHOR, "Anchor"), (Stream.RESIDUAL, "Residual")])
@@ -288,7 +288,7 @@ def test_failed_landing_fails_with_the_stream_name(stream: Stream, name: str) ->
     assert t.state is S.FAILED
     assert t.error == (f"prefill {PEER} could not deliver the {name}: HIGH write to d:1 failed in the engine")
     assert t.landed == {}
-    assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.FAIL
+    assert t.verdict(AuxStatus.SUCCESS, now=1.0) is Verdict.FAIL
 
 
 @pytest.mark.parametrize("stream", [Stream.ANCHOR, Stream.RESIDUAL])
@@ -307,7 +307,7 @@ def test_a_landing_of_another_byte_count_fails_naming_both(stream: Stream, delta
         f"prefill {PEER} reported the {name} landed with {nbytes} bytes, "
         f"the request's layout sends {expected}"
     )
-    assert t.verdict(Upstream.SUCCESS, now=2.0) is Verdict.FAIL
+    assert t.verdict(AuxStatus.SUCCESS, now=2.0) is Verdict.FAIL
 
 
 @pytest.mark.parametrize("delta", [-1000, 0, 1, None])
@@ -357,7 +357,7 @@ def test_reject_fails_with_the_reason() -> None:
     t.on_notice(Notice(NoticeKind.REJECT, 7, NONCE, text="settings differ: anchor_bits=2"), PEER, now=1.0)
     assert t.state is S.FAILED
     assert t.error == f"prefill {PEER} refused the Lynx transfer: settings differ: anchor_bits=2"
-    assert t.verdict(Upstream.PENDING, now=1.0) is Verdict.FAIL
+    assert t.verdict(AuxStatus.PENDING, now=1.0) is Verdict.FAIL
 
 
 def test_accept_with_other_settings_fails_naming_both() -> None:
@@ -387,9 +387,9 @@ def test_deadline_from_upstream_success(mode: Mode, anchor: bool, missing: str) 
     t = tracker(mode)
     if anchor:
         t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
-    assert t.verdict(Upstream.SUCCESS, now=100.0) is Verdict.WAIT
-    assert t.verdict(Upstream.SUCCESS, now=100.0 + DEADLINE) is Verdict.WAIT  # not yet past it
-    assert t.verdict(Upstream.SUCCESS, now=100.0 + DEADLINE + 0.01) is Verdict.FAIL
+    assert t.verdict(AuxStatus.SUCCESS, now=100.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.SUCCESS, now=100.0 + DEADLINE) is Verdict.WAIT  # not yet past it
+    assert t.verdict(AuxStatus.SUCCESS, now=100.0 + DEADLINE + 0.01) is Verdict.FAIL
     assert t.state is S.FAILED
     assert t.error == (
         f"the {missing} did not land within 5s of the first token (--lynx-transfer-deadline): "
@@ -399,9 +399,9 @@ def test_deadline_from_upstream_success(mode: Mode, anchor: bool, missing: str) 
 
 def test_deadline_does_not_apply_once_decodable() -> None:
     t = tracker("anchor-only")
-    assert t.verdict(Upstream.SUCCESS, now=0.0) is Verdict.WAIT
+    assert t.verdict(AuxStatus.SUCCESS, now=0.0) is Verdict.WAIT
     t.on_notice(landed(Stream.ANCHOR), PEER, now=1.0)
-    assert t.verdict(Upstream.SUCCESS, now=1e6) is Verdict.READY
+    assert t.verdict(AuxStatus.SUCCESS, now=1e6) is Verdict.READY
 
 
 def test_terminal_states_ignore_later_notices() -> None:
@@ -433,7 +433,7 @@ def test_residual_verdict_after_decoding_on_the_anchor() -> None:
     def started() -> ReceiveTracker:
         t = tracker("speculative")
         t.on_notice(landed(Stream.ANCHOR), PEER, now=0.6)
-        assert t.verdict(Upstream.SUCCESS, now=1.0) is Verdict.READY
+        assert t.verdict(AuxStatus.SUCCESS, now=1.0) is Verdict.READY
         return t
 
     t = started()

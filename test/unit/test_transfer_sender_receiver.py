@@ -20,6 +20,7 @@ from lynx.codec import CodecConfig, KVLayout, decode, encode, encode_pages, resi
 from lynx.lanes import BatchState, LaneConfig, Transfer
 from lynx.mode import Mode
 from lynx.transfer import (
+    AuxStatus,
     DuplicateRoomError,
     Handshake,
     Notice,
@@ -32,7 +33,6 @@ from lynx.transfer import (
     ReceiveIntegrityError,
     RequestLayout,
     Stream,
-    Upstream,
     Verdict,
     layer_streams,
     page_slots,
@@ -320,7 +320,7 @@ class Pair:
             at += n
 
     def verdict(self, room: int) -> tuple[Verdict, str | None]:
-        return self.receiver.verdict(room, Upstream.SUCCESS)
+        return self.receiver.verdict(room, AuxStatus.SUCCESS)
 
     def wait_verdict(self, room: int, expected: Verdict) -> str | None:
         got: list[tuple[Verdict, str | None]] = []
@@ -904,7 +904,7 @@ def test_a_full_receive_buffer_makes_reserve_wait(pairs: Callable[..., Pair]) ->
     stats = pair.receiver.stats()
     assert (stats.rooms, stats.waiting_for_space, stats.buffer_used) == (2, 1, one)
     assert pair.receiver.report(2) is not None
-    assert pair.receiver.verdict(2, Upstream.PENDING) == (Verdict.WAIT, None)
+    assert pair.receiver.verdict(2, AuxStatus.PENDING) == (Verdict.WAIT, None)
 
     pair.send(1, offer, pair.pages(seed=9), [600])
     pair.wait_verdict(1, Verdict.READY)
@@ -935,7 +935,7 @@ def test_decode_needs_one_slot_per_token(pairs: Callable[..., Pair]) -> None:
 
 def test_verdict_of_an_unknown_room_fails(pairs: Callable[..., Pair]) -> None:
     pair = pairs()
-    assert pair.receiver.verdict(404, Upstream.SUCCESS) == (Verdict.FAIL, "no Lynx state for room 404")
+    assert pair.receiver.verdict(404, AuxStatus.SUCCESS) == (Verdict.FAIL, "no Lynx state for room 404")
     assert pair.receiver.report(404) is None
 
 
@@ -946,7 +946,7 @@ def test_unreadable_notices_and_unknown_rooms_are_dropped_and_counted(pairs: Cal
     pair.receiver.on_notice(Notice(NoticeKind.LANDED, 17, offer.nonce, nbytes=5).to_frames()[:2])
     pair.receiver.on_notice(Notice(NoticeKind.REJECT, 99, offer.nonce, text="not yours").to_frames())
     pair.receiver.on_notice(Notice(NoticeKind.RELEASED, 98, offer.nonce).to_frames())
-    assert pair.receiver.verdict(17, Upstream.PENDING) == (Verdict.WAIT, None)
+    assert pair.receiver.verdict(17, AuxStatus.PENDING) == (Verdict.WAIT, None)
     stats = pair.receiver.stats()
     assert (stats.rooms, stats.anchor_bytes, stats.residual_bytes) == (1, 0, 0)
     assert stats.dropped_notices == {"malformed": 2, "unknown_reservation": 2}
@@ -1260,7 +1260,7 @@ def test_notices_before_the_offer_or_while_waiting_for_space_are_dropped(pairs: 
     assert offer is not None
     # Old: the LANDED stored while waiting jumped the request to complete with the ACCEPT.
     assert pair.answer(2, offer.to_wire()) == offer
-    assert pair.receiver.verdict(2, Upstream.SUCCESS) == (Verdict.WAIT, None)
+    assert pair.receiver.verdict(2, AuxStatus.SUCCESS) == (Verdict.WAIT, None)
 
 
 def test_a_duplicate_room_fails_only_the_second_request(pairs: Callable[..., Pair]) -> None:
@@ -1308,7 +1308,7 @@ def test_a_room_reused_after_an_abort_gets_its_own_reservation(pairs: Callable[.
     pair.backend.hold.clear()
     pair.wait_released(15)  # the old reservation's, with its nonce
     wait_for(lambda: pair.receiver.stats().quarantined == 1, "the old quarantine to be freed")
-    assert pair.receiver.verdict(15, Upstream.PENDING) == (Verdict.WAIT, None)
+    assert pair.receiver.verdict(15, AuxStatus.PENDING) == (Verdict.WAIT, None)
     wait_for(lambda: pair.sender.stats().rooms == 0, "prefill to let the old room go")
     assert pair.answer(15, third.to_wire()) == third
     pages = pair.pages(seed=35)
@@ -1636,7 +1636,7 @@ def test_a_forged_huge_notice_is_dropped_unread(pairs: Callable[..., Pair]) -> N
         tracemalloc.stop()
     assert peak < 1 << 20
     assert pair.receiver.stats().dropped_notices == {"oversized": 1}
-    assert pair.receiver.verdict(60, Upstream.PENDING) == (Verdict.WAIT, None)
+    assert pair.receiver.verdict(60, AuxStatus.PENDING) == (Verdict.WAIT, None)
 
 
 def test_a_landed_notice_is_read_only_as_far_as_its_plan_allows(pairs: Callable[..., Pair]) -> None:
@@ -1648,7 +1648,7 @@ def test_a_landed_notice_is_read_only_as_far_as_its_plan_allows(pairs: Callable[
     segments = len(RequestLayout.of(pair.handshake, N_TOKENS).segments)
     payload = struct.pack("<QQBBQI", 61, offer.nonce, 0, 1, 0, segments + 1) + bytes(4 * segments)
     pair.receiver.on_notice([TAG, NoticeKind.LANDED.value, payload])
-    verdict, reason = pair.receiver.verdict(61, Upstream.PENDING)
+    verdict, reason = pair.receiver.verdict(61, AuxStatus.PENDING)
     assert verdict is Verdict.FAIL
     assert reason == (
         f"prefill {PREFILL_ADDR} sent a Lynx notice this server cannot read: a LANDED notice "
@@ -1722,7 +1722,7 @@ def test_a_prefill_that_finishes_without_answering_the_offer_leaves_no_space_qua
     timer: quarantined until that prefill died."""
     pair = pairs()
     assert pair.reserve(40) is not None
-    verdict, reason = pair.receiver.verdict(40, Upstream.SUCCESS)
+    verdict, reason = pair.receiver.verdict(40, AuxStatus.SUCCESS)
     assert verdict is Verdict.FAIL and "without answering Lynx's handshake" in (reason or "")
     pair.receiver.forget(40)
     stats = pair.receiver.stats()

@@ -24,7 +24,7 @@ from lynx.transfer.protocol import (
     Stream,
     check_room,
 )
-from lynx.transfer.receive_state import RECEIVE_TRANSITIONS, ReceiveState, ReceiveTracker, Upstream, Verdict
+from lynx.transfer.receive_state import RECEIVE_TRANSITIONS, AuxStatus, ReceiveState, ReceiveTracker, Verdict
 from lynx.transfer.receiver import (
     DuplicateRoomError,
     ProgressiveReceiver,
@@ -41,6 +41,7 @@ __all__ = [
     "ROOM_LIMIT",
     "SEGMENT_TOKENS",
     "ArenaError",
+    "AuxStatus",
     "ByteArena",
     "DuplicateRoomError",
     "Handshake",
@@ -61,7 +62,6 @@ __all__ = [
     "RoomReport",
     "SenderStats",
     "Stream",
-    "Upstream",
     "Verdict",
     "check_room",
     "page_slots",

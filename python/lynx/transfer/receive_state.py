@@ -44,6 +44,7 @@ from lynx.transfer.protocol import (
     Stream,
     parse_handshake,
 )
+from lynx.verdict import Verdict
 
 
 class ReceiveState(enum.Enum):
@@ -65,8 +66,9 @@ RECEIVE_TRANSITIONS: dict[ReceiveState, frozenset[ReceiveState]] = {
 }
 
 
-class Upstream(enum.Enum):
-    """What upstream's own receiver says, reduced to what matters here."""
+class AuxStatus(enum.Enum):
+    """What upstream's own receiver says of the request's aux data (its first token),
+    reduced to what matters here."""
 
     PENDING = "pending"
     SUCCESS = "success"  # aux data (first token) landed
@@ -74,12 +76,6 @@ class Upstream(enum.Enum):
 
 
 STREAM_NAMES = {Stream.ANCHOR: "Anchor", Stream.RESIDUAL: "Residual"}
-
-
-class Verdict(enum.Enum):
-    WAIT = "wait"
-    READY = "ready"  # write the landed bytes into the KV pool
-    FAIL = "fail"
 
 
 @dataclass
@@ -202,17 +198,17 @@ class ReceiveTracker:
         if self.state is ReceiveState.ANCHOR_READY and all(s in self.landed for s in self.plan.streams):
             self.move(ReceiveState.COMPLETE)
 
-    def verdict(self, upstream: Upstream, now: float | None = None) -> Verdict:
+    def verdict(self, upstream: AuxStatus, now: float | None = None) -> Verdict:
         """Whether the scheduler may decode the request now, must wait, or must fail it
         (then :attr:`error` says why)."""
         now = time.monotonic() if now is None else now
-        if upstream is Upstream.FAILED:
+        if upstream is AuxStatus.FAILED:
             self.fail("the upstream KV transfer failed")
             self.error = self.error or "the upstream KV transfer failed"
             return Verdict.FAIL  # even if every Lynx byte landed: upstream's failure stands
         if self.state is ReceiveState.FAILED:
             return Verdict.FAIL
-        if upstream is Upstream.PENDING:
+        if upstream is AuxStatus.PENDING:
             return Verdict.WAIT
         if self.upstream_success_at is None:
             self.upstream_success_at = now

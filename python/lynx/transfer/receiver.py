@@ -60,7 +60,7 @@ from lynx.transfer.protocol import (
     span_checksum,
     unsigned_reason,
 )
-from lynx.transfer.receive_state import STREAM_NAMES, ReceiveState, ReceiveTracker, Upstream, Verdict
+from lynx.transfer.receive_state import STREAM_NAMES, AuxStatus, ReceiveState, ReceiveTracker, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class ProgressiveReceiver:
         if self._on_dropped is not None:
             self._on_dropped(reason)
 
-    def verdict(self, room: int, upstream: Upstream) -> tuple[Verdict, str | None]:
+    def verdict(self, room: int, upstream: AuxStatus) -> tuple[Verdict, str | None]:
         """(what to do, the failure reason when FAIL)."""
         with self._lock:
             state = self._rooms.get(room)
@@ -323,7 +323,7 @@ class ProgressiveReceiver:
                 return Verdict.READY, None
             unanswered = state.tracker.state in (ReceiveState.WAITING_SPACE, ReceiveState.OFFERED)
             verdict = state.tracker.verdict(upstream)
-            if unanswered and upstream is Upstream.SUCCESS:
+            if unanswered and upstream is AuxStatus.SUCCESS:
                 # Prefill's notices travel on the socket of upstream's status messages, in
                 # order, and a Lynx prefill answers an offer before it sends a byte: a
                 # Success with no answer before it comes from a prefill without Lynx,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lynx.transfer.receive_state import Verdict
+from lynx.verdict import Verdict
 
 ReduceMin = Callable[[list[int]], list[int]]
 """Elementwise MIN of an int32 vector over the ranks (every rank passes the same length)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lynx.transfer import ROOM_LIMIT, Upstream
+from lynx.transfer import ROOM_LIMIT, AuxStatus
 from lynx_patches.upstream.contract import (
     BASE_CONN,
     COMMON_CONN,
@@ -199,15 +199,15 @@ def aborted_room(msg: Sequence[bytes]) -> tuple[int, tuple[str, int] | None] | N
     Relied(f"{BASE_CONN}.KVPoll", "Success", "member"),
     Relied(f"{BASE_CONN}.KVPoll", "Failed", "member"),
 )
-def upstream_status(status: int) -> Upstream:
+def upstream_status(status: int) -> AuxStatus:
     """Upstream's ``KVPoll`` reduced to what Lynx's receive state needs."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if status == KVPoll.Success:
-        return Upstream.SUCCESS
+        return AuxStatus.SUCCESS
     if status == KVPoll.Failed:
-        return Upstream.FAILED
-    return Upstream.PENDING
+        return AuxStatus.FAILED
+    return AuxStatus.PENDING
 
 
 @relies(
