@@ -16,7 +16,7 @@ its top; together they are every upstream symbol Lynx touches:
 * :mod:`lynx_patches.disaggregation_prefill` / :mod:`lynx_patches.disaggregation_decode`
   -- build the process's Lynx runtime on the KV pool (:mod:`lynx_patches.runtime`);
   CPU-engine guard on the early prefix send; speculative mode's admission and
-  per-iteration verification (:mod:`lynx_patches.speculative_decoder`).
+  per-iteration verification (:mod:`lynx.speculative`, over SGLang by :mod:`lynx_patches.decode_engine`).
 * :mod:`lynx_patches.output_streamer` -- the per-request transfer report in ``meta_info``;
   held tokens are not streamed.
 * :mod:`lynx_patches.schedule_batch` -- held tokens and deferred finishes; parking instead

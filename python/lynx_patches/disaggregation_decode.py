@@ -11,10 +11,10 @@ Hook targets (``sglang.srt.`` omitted):
 * ``disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req`` AROUND: upstream
   drops the receiver there; keep its Lynx transfer report on the request (the response's
   ``meta_info["lynx_transfer"]``), and in speculative mode hand a request whose Residual
-  is still in flight to the :class:`~lynx_patches.speculative_decoder.SpeculativeDecoder`.
+  is still in flight to the :class:`~lynx.speculative.SpeculativeDecoder`.
 * ``disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue``
   AFTER (speculative mode): poll the Residuals, verify, commit, roll back
-  (:meth:`~lynx_patches.speculative_decoder.SpeculativeDecoder.step`), agreeing with the
+  (:meth:`~lynx.speculative.SpeculativeDecoder.step`), agreeing with the
   other TP ranks first. Upstream's loop is quiescent there: the previous batch's results
   are processed, the next is not built; every rank runs it once per iteration.
 
@@ -29,10 +29,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lynx.speculative import META_INFO_KEY
 from lynx.transfer.parallel_samples import decode_reads_prompt_kv
 from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
-from lynx_patches.speculative_decoder import META_INFO_KEY
 
 INIT_KV_MANAGER = "disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 SEND_KV_METADATA = "disaggregation.decode.DecodePreallocQueue._send_kv_metadata"

@@ -29,7 +29,7 @@ def _keep_draft_distributions(
     original: Any, runner: Any, logits_output: Any, forward_batch: Any, *args: Any, **kwargs: Any
 ) -> Any:
     decoder = runtime.speculative_decoder()
-    sampled = decoder.sampled_rows() if decoder is not None else {}
+    sampled = decoder.speculations.sampled_rows() if decoder is not None else {}
     if sampled:
         logits = upstream.next_token_logits(logits_output)
         rows = upstream.decode_forward_rows(forward_batch, logits.shape[0]) or []

@@ -287,7 +287,7 @@ class ReceiverStep(enum.Enum):
     """Where one decode request's connector stands with Lynx. What has landed for the
     room is the core's (:class:`lynx.transfer.ReceiveTracker`); once the request decodes
     on its Anchor, its speculation is the decoder's
-    (:class:`lynx_patches.speculative_decoder.Speculation`)."""
+    (:class:`lynx.speculative.Speculation`)."""
 
     UNREGISTERED = "unregistered"  # before send_metadata, or failed before taking the room
     # decode's radix cache (--disaggregation-decode-enable-radix-cache) holds the whole

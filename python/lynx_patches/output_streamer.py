@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lynx.speculative import META_INFO_KEY
 from lynx_patches import runtime, upstream
 from lynx_patches._hooks import hook
-from lynx_patches.speculative_decoder import META_INFO_KEY
 
 STREAMER = "managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 ACCUMULATOR = "managers.scheduler_components.output_streamer._GenerationStreamAccumulator"
@@ -51,7 +51,7 @@ def _hold_back(original: Any, streamer: Any, reqs: list[Any], *args: Any, **kwar
     decoder = runtime.speculative_decoder()
     if decoder is None:
         return original(streamer, reqs, *args, **kwargs)
-    released = [req for req in reqs if decoder.streams(req)]
+    released = [req for req in reqs if decoder.speculations.streams(req)]
     if len(released) == len(reqs):
         return original(streamer, reqs, *args, **kwargs)
     if not released:

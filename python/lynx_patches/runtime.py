@@ -28,11 +28,12 @@ from lynx.lanes import LaneConfig
 from lynx.lanes.mooncake import MooncakeBackend
 from lynx.metrics import LynxMetrics
 from lynx.settings import LynxSettings, LynxSettingsError
+from lynx.speculative import SpeculativeDecoder
 from lynx.transfer import Handshake, ProgressiveReceiver, ProgressiveSender
 from lynx.transfer.protocol import bytes_per_token
 from lynx_patches import upstream
+from lynx_patches.decode_engine import SGLangDecodeEngine
 from lynx_patches.errors import LynxConfigError
-from lynx_patches.speculative_decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ def build(
         )
         if settings.mode.verifies:
             runtime.decoder = SpeculativeDecoder(
+                SGLangDecodeEngine(),
                 runtime.receiver,
                 settings.max_speculative_tokens,
                 page_size,

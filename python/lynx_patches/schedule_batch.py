@@ -32,8 +32,8 @@ RETRACT_DECODE = "managers.schedule_batch.ScheduleBatch.retract_decode"
 
 def _hold_or_defer(original: Any, req: Any, new_accepted_len: int = 1) -> Any:
     decoder = runtime.speculative_decoder()
-    spec = decoder.speculation_of(req) if decoder is not None else None
-    if decoder is None or spec is None or not decoder.takes_token(req):
+    spec = decoder.speculations.of(req) if decoder is not None else None
+    if decoder is None or spec is None or not decoder.speculations.takes_token(req):
         return original(req, new_accepted_len)
     if upstream.is_aborting(req):  # the client sees only committed tokens
         upstream.truncate_output(req, 1)
@@ -54,7 +54,9 @@ def _hold_or_defer(original: Any, req: Any, new_accepted_len: int = 1) -> Any:
 def _park_before_retracting(original: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     decoder = runtime.speculative_decoder()
     speculating = (
-        [i for i, req in enumerate(batch.reqs) if decoder.is_speculating(req)] if decoder is not None else []
+        [i for i, req in enumerate(batch.reqs) if decoder.speculations.is_speculating(req)]
+        if decoder is not None
+        else []
     )
     if decoder is None or not speculating:
         return original(batch, *args, **kwargs)
@@ -64,7 +66,7 @@ def _park_before_retracting(original: Any, batch: Any, *args: Any, **kwargs: Any
     # The decoder takes parked requests out at the start of the next iteration; until then
     # they must not be retracted (upstream would free their KV and requeue them).
     upstream.batch_without(batch, speculating)
-    decoder.hold_out_of_batch(parked)
+    decoder.speculations.hold_out_of_batch(parked)
     if batch.is_empty():
         return upstream.nothing_retracted(parked)
     return original(batch, *args, **kwargs)

@@ -56,13 +56,13 @@ def _announce_chunks(scheduler: Any, batch: Any, *_args: Any, **_kwargs: Any) ->
 
 def _not_idle_while_parked(result: bool, *_args: Any, **_kwargs: Any) -> bool:
     decoder = runtime.speculative_decoder()
-    return result and (decoder is None or not decoder.holds_kv_outside_batches())
+    return result and (decoder is None or not decoder.speculations.holds_kv_outside_batches())
 
 
 def _with_parked(result: set[Any], *_args: Any, **_kwargs: Any) -> set[Any]:
     decoder = runtime.speculative_decoder()
     if decoder is not None:
-        result.update(decoder.parked_requests())
+        result.update(decoder.speculations.parked_requests())
     return result
 
 

@@ -1,8 +1,9 @@
-"""The speculative decoder's glue logic (``lynx_patches.speculative_decoder``) on stand-ins
-of SGLang's request, batch and scheduler: admission, holding, parking, verification,
-commit and rollback. The real objects are exercised end to end in
-``test/e2e/test_lynx_speculative.py``; these stand-ins carry only the fields
-``lynx_patches.upstream`` reads and writes."""
+"""The speculative decoder (``lynx.speculative``) over SGLang's engine operations
+(``lynx_patches.decode_engine``) on stand-ins of SGLang's request, batch and scheduler,
+with the forward passes, the answers and the step in flight the test's own
+(:class:`StandInEngine`): admission, holding, parking, verification, commit and rollback.
+The real objects are exercised end to end in ``test/e2e/test_lynx_speculative.py``; these
+stand-ins carry only the fields ``lynx_patches.upstream`` reads and writes."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import torch
 
 from lynx.codec import CodecConfig, KVLayout
 from lynx.mode import Mode
+from lynx.speculative import META_INFO_KEY, SpeculativeDecoder
 from lynx.transfer import Handshake, RequestLayout, RoomReport, Verdict
 from lynx.verify import ParkReason, SpecState
 from lynx_patches import output_streamer, runtime, upstream
-from lynx_patches.speculative_decoder import META_INFO_KEY, SpeculativeDecoder
+from lynx_patches.decode_engine import SGLangDecodeEngine
 
 VOCAB, PROMPT, ROOM = 16, 5, 11
 
@@ -146,8 +148,50 @@ class Scheduler:
         self.batch_result_processor = ReasoningCounter()
 
 
+class StandInEngine(SGLangDecodeEngine):
+    """SGLang's engine operations over the stand-ins, but for what needs a model or a
+    server: the verify forward (``verify_forward``), the answer to a finished request
+    (recorded in ``answered``), an abort (set on the stand-in), and, where a test sets
+    them, the overlap loop's step in flight (``in_flight``) and the layer-by-layer pass
+    (``advance``, ``logits``, ``unsupported``)."""
+
+    def __init__(self, verify_forward: Callable[..., list[torch.Tensor]], answered: list[Any]) -> None:
+        self.verify_forward = verify_forward
+        self.answered = answered
+        self.in_flight: Callable[[Any], None] | None = None
+        self.advance: Callable[..., None] | None = None
+        self.logits: Callable[[Any, Any], torch.Tensor] | None = None
+        self.unsupported: Callable[[Any], str | None] = lambda scheduler: None
+
+    def run_verify_forward(
+        self, scheduler: Any, reqs: Any, prompt_lens: Any, *, in_steps: bool, stop: Any
+    ) -> Any:
+        return self.verify_forward(scheduler, reqs, prompt_lens, in_steps=in_steps, stop=stop)
+
+    def release_and_answer(self, scheduler: Any, req: Any) -> None:
+        self.answered.append(req)
+
+    def abort_with(self, req: Any, reason: str) -> None:
+        req.to_finish = reason
+
+    def process_in_flight_batch(self, scheduler: Any) -> None:
+        assert self.in_flight is not None, "no step in flight outside the overlap loop"
+        self.in_flight(scheduler)
+
+    def layerwise_unsupported(self, scheduler: Any) -> str | None:
+        return self.unsupported(scheduler)
+
+    def advance_layerwise(self, scheduler: Any, req: Any, prompt_len: int, rows: Any, layers: int) -> None:
+        assert self.advance is not None
+        self.advance(scheduler, req, prompt_len, rows, layers)
+
+    def layerwise_logits(self, scheduler: Any, rows: Any) -> torch.Tensor:
+        assert self.logits is not None
+        return self.logits(scheduler, rows)
+
+
 @pytest.fixture
-def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+def world() -> SimpleNamespace:
     answered: list[Any] = []
     verify_logits: list[torch.Tensor] = []
     forwarded: list[list[str]] = []
@@ -177,13 +221,11 @@ def world(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         rows_computed.append([len(rows) for rows in out])
         return out
 
-    monkeypatch.setattr(upstream, "run_verify_forward", verify_forward)
-    monkeypatch.setattr(upstream, "returns_original_logprobs", lambda: False)
-    monkeypatch.setattr(upstream, "release_and_answer", lambda scheduler, req: answered.append(req))
-    monkeypatch.setattr(upstream, "abort_with", lambda req, reason: setattr(req, "to_finish", reason))
+    engine = StandInEngine(verify_forward, answered)
     receiver = Receiver()
-    decoder = SpeculativeDecoder(receiver, max_tokens=3, page_size=1, metrics=None)  # type: ignore[arg-type]
+    decoder = SpeculativeDecoder(engine, receiver, max_tokens=3, page_size=1, metrics=None)  # type: ignore[arg-type]
     return SimpleNamespace(
+        engine=engine,
         receiver=receiver,
         decoder=decoder,
         answered=answered,
@@ -208,13 +250,15 @@ def admitted(world: SimpleNamespace, req: Req) -> Scheduler:
 def test_held_tokens_park_at_the_cap_and_leave_the_batch(world: SimpleNamespace) -> None:
     req = Req("a")
     scheduler = admitted(world, req)
-    assert world.decoder.is_speculating(req) and not world.decoder.holds_tokens(req)  # t_0 streams
+    assert world.decoder.speculations.is_speculating(req) and not world.decoder.speculations.holds_tokens(
+        req
+    )  # t_0 streams
     for token in (1, 2, 3):
         req.decode_one(world.decoder, token)
-    assert not world.decoder.is_speculating(req) and world.decoder.holds_tokens(req)
+    assert not world.decoder.speculations.is_speculating(req) and world.decoder.speculations.holds_tokens(req)
     world.decoder.step(scheduler)  # the Residual is still in flight
-    assert scheduler.running_batch.reqs == [] and list(world.decoder.parked_requests()) == [req]
-    assert world.decoder.holds_kv_outside_batches()
+    assert scheduler.running_batch.reqs == [] and list(world.decoder.speculations.parked_requests()) == [req]
+    assert world.decoder.speculations.holds_kv_outside_batches()
 
 
 def test_verification_commits_the_accepted_prefix_and_the_correction(world: SimpleNamespace) -> None:
@@ -239,7 +283,7 @@ def test_verification_commits_the_accepted_prefix_and_the_correction(world: Simp
     stats = world.decoder.stats
     assert (stats.held_tokens, stats.accepted_tokens, stats.rejections, stats.active) == (3, 1, 1, 0)
     assert stats.agreement_rate == 0.5  # of the 2 rows computed, 1 agreed
-    assert world.decoder.speculation_of(req) is None and not world.decoder.holds_tokens(req)
+    assert world.decoder.speculations.of(req) is None and not world.decoder.speculations.holds_tokens(req)
 
 
 @pytest.mark.parametrize("in_steps", [True, False])
@@ -247,6 +291,7 @@ def test_the_verify_pass_runs_as_configured(world: SimpleNamespace, in_steps: bo
     """In decode steps unless ``--lynx-verify-pass batched`` (one forward)."""
     if not in_steps:
         world.decoder = SpeculativeDecoder(
+            world.engine,
             world.receiver,  # type: ignore[arg-type]
             max_tokens=3,
             page_size=1,
@@ -289,7 +334,7 @@ def test_logprobs_of_committed_tokens_come_from_the_verify_pass(world: SimpleNam
         output_token_ids_logprobs_idx=[[]],
     )
     scheduler = admitted(world, req)
-    assert world.decoder.is_speculating(req)  # logprobs no longer wait for the Residual
+    assert world.decoder.speculations.is_speculating(req)  # logprobs no longer wait for the Residual
     for token in (1, 2, 3):
         req.decode_one(world.decoder, token)
         for name in vars(req.logprob):
@@ -324,10 +369,10 @@ def test_a_residual_expected_before_a_draft_would_pay_is_waited_for(
     world.decoder.admit(req, ROOM, torch.arange(PROMPT), VOCAB)
     scheduler.waiting_queue.append(req)  # where upstream queues a transferred request
     world.decoder.step(scheduler)  # the Residual is still in flight
-    spec = world.decoder.speculation_of(req)
+    spec = world.decoder.speculations.of(req)
     assert spec is not None and spec.held.state is SpecState.PARKED and spec.held.cap == 0
     assert spec.held.park_reason is ParkReason.CAP and spec.held.tokens == []
-    assert scheduler.waiting_queue == [] and list(world.decoder.parked_requests()) == [req]
+    assert scheduler.waiting_queue == [] and list(world.decoder.speculations.parked_requests()) == [req]
     assert (world.decoder.stats.requests, world.decoder.stats.waited) == (0, 1)
     # it never joins a batch, whose prebuilt step streams t_0: t_0 streams now
     assert scheduler.output_streamer.chunks == [("a", [7])]
@@ -357,20 +402,23 @@ def test_under_overlap_the_late_token_counts_in_the_window(
     """A request parked at its cap in a batch holds the token of the step launched before
     (the late token), so its cap is one under the tokens the window allows: 1 becomes 0 (it
     waits), 3 becomes 2 (it holds 3), and --lynx-max-speculative-tokens 3 is 3 held."""
-    decoder = SpeculativeDecoder(world.receiver, max_tokens=3, page_size=1, metrics=None, overlap=True)  # type: ignore[arg-type]
+    decoder = SpeculativeDecoder(
+        world.engine, world.receiver, max_tokens=3, page_size=1, metrics=None, overlap=True
+    )  # type: ignore[arg-type]
     decoder.window.observe_residual(
         RequestLayout.of(Receiver.handshake, PROMPT).sent_residual_nbytes, flight_s
     )
     decoder.window.observe_decoding(10, 1.0, PROMPT)  # 0.1 s a step: steps allows flight_s / 0.1
-    decoder.admit(Req("a"), ROOM, torch.arange(PROMPT), VOCAB)
-    assert decoder._speculations[ROOM].held.cap == cap
+    req = Req("a")
+    decoder.admit(req, ROOM, torch.arange(PROMPT), VOCAB)
+    assert decoder.speculations.get(req).held.cap == cap
 
 
 def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace) -> None:
     req = Req("a")
     req.grammar = object()  # a grammar's state cannot be rewound
     scheduler = admitted(world, req)
-    spec = world.decoder.speculation_of(req)
+    spec = world.decoder.speculations.of(req)
     assert spec is not None and spec.held.state is SpecState.PARKED
     assert spec.held.park_reason is ParkReason.UNVERIFIABLE and world.decoder.stats.waited == 1
     world.receiver.verdicts[ROOM] = (Verdict.READY, None)
@@ -383,9 +431,9 @@ def test_settings_it_cannot_verify_wait_for_the_residual(world: SimpleNamespace)
 def test_sampled_requests_keep_their_draft_distributions(world: SimpleNamespace) -> None:
     req = Req("s", top_k=VOCAB, temperature=0.5)
     admitted(world, req)
-    spec = world.decoder.speculation_of(req)
+    spec = world.decoder.speculations.of(req)
     assert spec is not None and spec.sampled
-    assert world.decoder.sampled_rows() == {3: spec}
+    assert world.decoder.speculations.sampled_rows() == {3: spec}
     with pytest.raises(RuntimeError, match="draft distribution was not kept"):
         req.decode_one(world.decoder, 1)
     spec.pending_probs.append(torch.full((VOCAB,), 1.0 / VOCAB))
@@ -397,7 +445,7 @@ def test_per_token_outputs_wait_for_the_residual(world: SimpleNamespace) -> None
     req = Req("a")
     req.return_sampling_mask = True  # a held token's mask would come from the Anchor pass
     admitted(world, req)
-    spec = world.decoder.speculation_of(req)
+    spec = world.decoder.speculations.of(req)
     assert spec is not None and spec.held.park_reason is ParkReason.UNVERIFIABLE
 
 
@@ -429,16 +477,18 @@ def test_two_live_requests_with_one_client_rid_keep_their_own_state(world: Simpl
     first = _two_held(world, "same", ROOM, (1, 2))
     second = _two_held(world, "same", ROOM + 1, (3,))
     world.receiver.verdicts[ROOM + 1] = (Verdict.WAIT, None)
-    assert world.decoder.speculation_of(first).held.tokens == [1, 2]  # type: ignore[union-attr]
-    assert world.decoder.speculation_of(second).held.tokens == [3]  # type: ignore[union-attr]
+    assert world.decoder.speculations.of(first).held.tokens == [1, 2]  # type: ignore[union-attr]
+    assert world.decoder.speculations.of(second).held.tokens == [3]  # type: ignore[union-attr]
     stranger = Req("same", ROOM)  # the first one's room, another object: none of its state
-    assert world.decoder.speculation_of(stranger) is None and not world.decoder.takes_token(stranger)
+    assert world.decoder.speculations.of(stranger) is None and not world.decoder.speculations.takes_token(
+        stranger
+    )
     scheduler = Scheduler([first, second])
     world.logits.append(choosing(1, 2))
     world.decoder.step(scheduler)
-    assert first.output_ids == [7, 1, 2] and world.decoder.speculation_of(first) is None
+    assert first.output_ids == [7, 1, 2] and world.decoder.speculations.of(first) is None
     assert world.forwarded == [["same"]] and scheduler.running_batch.reqs == [second]
-    assert world.decoder.speculation_of(second).held.tokens == [3]  # type: ignore[union-attr]
+    assert world.decoder.speculations.of(second).held.tokens == [3]  # type: ignore[union-attr]
     world.receiver.verdicts[ROOM + 1] = (Verdict.READY, None)
     world.logits[:] = [choosing(3)]
     world.decoder.step(scheduler)
@@ -477,7 +527,7 @@ def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -
     first, second = Req("s1", top_k=VOCAB), Req("s2", ROOM + 1, top_k=VOCAB)
     world.decoder.admit(first, ROOM, torch.arange(PROMPT), VOCAB)
     world.decoder.admit(second, ROOM + 1, torch.arange(PROMPT), VOCAB)
-    specs = [world.decoder.speculation_of(r) for r in (first, second)]
+    specs = [world.decoder.speculations.of(r) for r in (first, second)]
     for req, spec in ((first, specs[0]), (first, specs[0]), (second, specs[1])):
         assert spec is not None
         spec.pending_probs.append(torch.full((VOCAB,), 1.0 / VOCAB))
@@ -487,7 +537,7 @@ def test_draft_distributions_are_bounded_and_accounted(world: SimpleNamespace) -
     assert specs[1] is not None and specs[1].held.park_reason is ParkReason.DRAFT_MEMORY
     third = Req("s3", ROOM + 2, top_k=VOCAB)
     world.decoder.admit(third, ROOM + 2, torch.arange(PROMPT), VOCAB)  # no room for its first draft
-    spec3 = world.decoder.speculation_of(third)
+    spec3 = world.decoder.speculations.of(third)
     assert spec3 is not None and spec3.held.park_reason is ParkReason.DRAFT_MEMORY
     world.receiver.verdicts[ROOM] = (Verdict.READY, None)
     world.logits.append(torch.zeros(2, VOCAB))  # uniform: the rule may accept or reject
@@ -510,7 +560,7 @@ def test_a_retracting_pause_rolls_speculation_back_first(world: SimpleNamespace)
     assert running.kv.kv_allocated_len == parked.kv.kv_allocated_len == PROMPT
     assert scheduler.waiting_queue == [parked]  # upstream retracts it with the running ones
     assert world.receiver.forgotten == [ROOM, ROOM + 1] and world.decoder.stats.rolled_back == 2
-    assert world.decoder.stats.active == 0 and not world.decoder.holds_kv_outside_batches()
+    assert world.decoder.stats.active == 0 and not world.decoder.speculations.holds_kv_outside_batches()
     world.receiver.verdicts[ROOM] = (Verdict.READY, None)
     world.decoder.step(scheduler)  # a Residual landing later writes nothing
     assert world.receiver.written == [] and running.reasoning_tokens == 1
@@ -530,10 +580,10 @@ def test_tp_ranks_verify_only_once_every_rank_refined(world: SimpleNamespace) ->
     scheduler = admitted(world, req)
     world.receiver.verdicts[ROOM] = (Verdict.READY, None)
     world.decoder.step(scheduler, reduce_min)
-    assert world.receiver.written == [ROOM] and world.decoder.is_speculating(req)
+    assert world.receiver.written == [ROOM] and world.decoder.speculations.is_speculating(req)
     assert scheduler.running_batch.reqs == [req] and world.forwarded == []
     req.decode_one(world.decoder, 1)  # the agreed window (the smaller estimate) is 1: it parks
-    assert not world.decoder.is_speculating(req) and world.decoder.holds_tokens(req)
+    assert not world.decoder.speculations.is_speculating(req) and world.decoder.speculations.holds_tokens(req)
     other["verdict"] = 2
     world.logits.append(choosing(1))
     world.decoder.step(scheduler, reduce_min)
@@ -557,21 +607,23 @@ def test_a_residual_failed_on_another_rank_fails_the_request_here(world: SimpleN
 
 
 @pytest.fixture
-def overlapped(world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+def overlapped(world: SimpleNamespace) -> SimpleNamespace:
     """The decoder under upstream's overlap loop: ``world.in_flight`` lists the requests
     of the step in flight, whose tokens ``process_in_flight_batch`` delivers. Its cap is
     3, as the other tests' (4 tokens at most: 3 and the late one)."""
-    world.decoder = SpeculativeDecoder(world.receiver, max_tokens=4, page_size=1, metrics=None, overlap=True)  # type: ignore[arg-type]
+    world.decoder = SpeculativeDecoder(
+        world.engine, world.receiver, max_tokens=4, page_size=1, metrics=None, overlap=True
+    )  # type: ignore[arg-type]
     world.in_flight, world.drained = [], []
 
     def process_in_flight_batch(scheduler: Any) -> None:
         world.drained.append(len(world.in_flight))
         for req, token in world.in_flight:
-            if world.decoder.takes_token(req):
+            if world.decoder.speculations.takes_token(req):
                 req.decode_one(world.decoder, token)
         world.in_flight.clear()
 
-    monkeypatch.setattr(upstream, "process_in_flight_batch", process_in_flight_batch)
+    world.engine.in_flight = process_in_flight_batch
     return world
 
 
@@ -580,11 +632,11 @@ def test_overlap_parked_request_holds_its_one_late_token(overlapped: SimpleNames
     scheduler = admitted(overlapped, req)
     for token in (1, 2, 3):
         req.decode_one(overlapped.decoder, token)
-    assert not overlapped.decoder.is_speculating(req)  # parked at the cap...
-    assert overlapped.decoder.takes_token(req)  # ...with the step launched before still to come
+    assert not overlapped.decoder.speculations.is_speculating(req)  # parked at the cap...
+    assert overlapped.decoder.speculations.takes_token(req)  # ...with the step launched before still to come
     req.decode_one(overlapped.decoder, 4)
-    assert overlapped.decoder.speculation_of(req).held.tokens == [1, 2, 3, 4]  # type: ignore[union-attr]
-    assert not overlapped.decoder.takes_token(req)
+    assert overlapped.decoder.speculations.of(req).held.tokens == [1, 2, 3, 4]  # type: ignore[union-attr]
+    assert not overlapped.decoder.speculations.takes_token(req)
     overlapped.decoder.step(scheduler)  # Residual still in flight: nothing to drain
     assert overlapped.drained == [] and scheduler.running_batch.reqs == []
 
@@ -645,12 +697,12 @@ def test_the_verify_pass_in_steps_ends_each_requests_rows_at_its_stop(
 
 
 @pytest.fixture
-def ahead(world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+def ahead(world: SimpleNamespace) -> SimpleNamespace:
     """The decoder with ``--lynx-verify-pass layers``, over upstream's layerwise pass as the
     decoder sees it: ``world.advanced`` records each advance (request, rows it had, layers
     asked), ``world.layerwise_logits`` is what the rows give once every layer is done."""
     world.decoder = SpeculativeDecoder(
-        world.receiver, max_tokens=3, page_size=1, metrics=None, verify_pass="layers"
+        world.engine, world.receiver, max_tokens=3, page_size=1, metrics=None, verify_pass="layers"
     )  # type: ignore[arg-type]
     world.advanced, world.layerwise_logits, world.unsupported = [], [], [None]
 
@@ -666,9 +718,9 @@ def ahead(world: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> SimpleName
         assert rows.layers == LAYERS_OF_MODEL
         return world.layerwise_logits.pop(0)
 
-    monkeypatch.setattr(upstream, "advance_layerwise", advance)
-    monkeypatch.setattr(upstream, "layerwise_logits", logits)
-    monkeypatch.setattr(upstream, "layerwise_unsupported", lambda scheduler: world.unsupported[0])
+    world.engine.advance = advance
+    world.engine.logits = logits
+    world.engine.unsupported = lambda scheduler: world.unsupported[0]
     return world
 
 
@@ -750,7 +802,13 @@ def test_overlap_rows_run_ahead_after_the_step_in_flight_with_its_late_token(
     ahead: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ahead.decoder = SpeculativeDecoder(
-        ahead.receiver, max_tokens=4, page_size=1, metrics=None, verify_pass="layers", overlap=True
+        ahead.engine,
+        ahead.receiver,
+        max_tokens=4,
+        page_size=1,
+        metrics=None,
+        verify_pass="layers",
+        overlap=True,
     )  # type: ignore[arg-type]  # cap 3 and the late token
     req, scheduler = parked(ahead, 1, 2, 3)
 
@@ -758,8 +816,8 @@ def test_overlap_rows_run_ahead_after_the_step_in_flight_with_its_late_token(
         if len(req.output_ids) == 4:
             req.decode_one(ahead.decoder, 4)
 
-    monkeypatch.setattr(upstream, "process_in_flight_batch", process_in_flight_batch)
+    ahead.engine.in_flight = process_in_flight_batch
     ahead.receiver.layers[ROOM] = 1
     ahead.decoder.step(scheduler)
     assert ahead.advanced == [("a", 0, 1)] and req.output_ids == [7, 1, 2, 3, 4]
-    assert ahead.decoder.speculation_of(req).layerwise.batches == [0, 1, 2, 3]  # type: ignore[union-attr]
+    assert ahead.decoder.speculations.of(req).layerwise.batches == [0, 1, 2, 3]  # type: ignore[union-attr]

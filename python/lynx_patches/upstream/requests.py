@@ -278,6 +278,33 @@ def clear_finish(req: Any) -> None:
 
 
 @relies(attribute(REQ, "output_ids"))
+def output_ids(req: Any) -> list[int]:
+    """Its output tokens: the first, from prefill, then those decoded."""
+    return req.output_ids
+
+
+@relies(attribute(REQ, "origin_input_ids"))
+def prompt_len(req: Any) -> int:
+    return len(req.origin_input_ids)
+
+
+@relies(attribute(REQ, "rid"))
+def request_id(req: Any) -> str:
+    return str(req.rid)
+
+
+@relies(method(REQ, "finished"))
+def is_finished(req: Any) -> bool:
+    return bool(req.finished())
+
+
+@relies(method(REQ, "update_finish_state", "new_accepted_len"))
+def update_finish_state(req: Any, new_tokens: int) -> None:
+    """Upstream's finish check over the request's last ``new_tokens`` output tokens."""
+    req.update_finish_state(new_accepted_len=new_tokens)
+
+
+@relies(attribute(REQ, "output_ids"))
 def truncate_output(req: Any, keep: int) -> None:
     """Keep the first ``keep`` output tokens."""
     del req.output_ids[keep:]
