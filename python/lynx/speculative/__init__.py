@@ -1,13 +1,12 @@
 """Speculative decoding, engine-agnostic: :class:`SpeculativeDecoder` over a
 :class:`DecodeEngine` (see :mod:`lynx.speculative.decoder`)."""
 
-from lynx.speculative.decoder import OTHER_RANK_FAILED, SpeculativeDecoder
+from lynx.speculative.decoder import SpeculativeDecoder
 from lynx.speculative.engine import DecodeEngine, LayerRows, RowStop
 from lynx.speculative.speculation import META_INFO_KEY, Speculation, Speculations
 
 __all__ = [
     "META_INFO_KEY",
-    "OTHER_RANK_FAILED",
     "DecodeEngine",
     "LayerRows",
     "RowStop",

@@ -41,7 +41,6 @@ RELIED: tuple[Relied, ...] = (
     # What the accessors below do not declare themselves: the request fields hook
     # modules read directly, the reasoning-count fields the accessors reach by name, and
     # the methods Lynx's hooks wrap.
-    attribute(REQ, "origin_input_ids"),
     method(SCHEDULER, "pause_generation", "recv_req"),
     method(REQ, "update_finish_state", "new_accepted_len"),
     method(
