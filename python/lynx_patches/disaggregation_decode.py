@@ -56,9 +56,12 @@ def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwarg
     receiver = decode_req.kv_receiver
     result = original(queue, decode_req, *args, **kwargs)
     req = decode_req.req
-    speculating = getattr(receiver, "lynx_speculating", False)
+    if not isinstance(receiver, runtime.LynxReceiverRole):  # upstream's receiver: no Lynx
+        return result
+    speculating = receiver.lynx_speculating
     decoder = runtime.speculative_decoder()
     if speculating and decoder is not None and not req.finished():
+        assert receiver.lynx_slots is not None
         decoder.admit(
             req,
             receiver.bootstrap_room,
@@ -68,9 +71,8 @@ def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwarg
         return result
     if speculating:  # finished on its first token: nothing to speculate on
         receiver.lynx_end_speculation()
-    report = getattr(receiver, "lynx_report", None)
-    if report is not None:
-        upstream.set_request_info(req, META_INFO_KEY, dataclasses.asdict(report))
+    if receiver.lynx_report is not None:
+        upstream.set_request_info(req, META_INFO_KEY, dataclasses.asdict(receiver.lynx_report))
     return result
 
 

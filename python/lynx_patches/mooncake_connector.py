@@ -70,12 +70,12 @@ from lynx.transfer import (
 from lynx.transfer.protocol import split_offer
 from lynx_patches import upstream
 from lynx_patches.errors import LynxConfigError
-from lynx_patches.runtime import LynxRuntime
+from lynx_patches.runtime import LynxManagerRole, LynxReceiverRole, LynxRuntime
 
 logger = logging.getLogger(__name__)
 
 
-class LynxKVManager(MooncakeKVManager):
+class LynxKVManager(MooncakeKVManager, LynxManagerRole):
     # Failure reasons travel with prefill's status messages (upstream's decode parses the
     # optional frame), so a decode server without Lynx shows why Lynx refused the request.
     kv_status_msg_carries_reason = True
@@ -309,7 +309,7 @@ RECEIVER_STEPS: dict[ReceiverStep, frozenset[ReceiverStep]] = {
 }
 
 
-class LynxKVReceiver(MooncakeKVReceiver):
+class LynxKVReceiver(MooncakeKVReceiver, LynxReceiverRole):
     kv_mgr: LynxKVManager
     lynx_step = ReceiverStep.UNREGISTERED
     lynx_slots: torch.Tensor | None = None  # the request's KV slots, in token order

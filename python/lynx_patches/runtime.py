@@ -16,6 +16,7 @@ at start-up with the reason.
 
 from __future__ import annotations
 
+import abc
 import logging
 import math
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from lynx.lanes.mooncake import MooncakeBackend
 from lynx.metrics import LynxMetrics
 from lynx.settings import LynxSettings, LynxSettingsError
 from lynx.speculative import SpeculativeDecoder
-from lynx.transfer import Handshake, ProgressiveReceiver, ProgressiveSender
+from lynx.transfer import Handshake, ProgressiveReceiver, ProgressiveSender, RoomReport
 from lynx.transfer.protocol import bytes_per_token
 from lynx_patches import upstream
 from lynx_patches.decode_engine import SGLangDecodeEngine
@@ -79,6 +80,37 @@ class LynxRuntime:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+
+class LynxManagerRole(abc.ABC):
+    """A KV manager built for ``--lynx``
+    (:class:`lynx_patches.mooncake_connector.LynxKVManager`): what
+    :func:`build_on_kv_manager` binds this process's runtime to. Declared here, not in the
+    connector, so the hooks can name the type without importing SGLang's Mooncake classes."""
+
+    lynx_settings: LynxSettings
+
+    @abc.abstractmethod
+    def lynx_attach(self, runtime: LynxRuntime) -> None:
+        """Take ``runtime`` (scheduler thread, right after construction)."""
+
+
+class LynxReceiverRole(abc.ABC):
+    """A KV receiver built for ``--lynx``
+    (:class:`lynx_patches.mooncake_connector.LynxKVReceiver`): what decode's commit hook
+    (``disaggregation_decode``) reads of a request's transfer once upstream commits it."""
+
+    lynx_slots: torch.Tensor | None  # the request's KV slots, in token order
+    lynx_report: RoomReport | None  # what its transfer cost, once released after decoding
+
+    @property
+    @abc.abstractmethod
+    def lynx_speculating(self) -> bool:
+        """Its Anchor is in the KV and the room is kept for the speculative decoder."""
+
+    @abc.abstractmethod
+    def lynx_end_speculation(self) -> None:
+        """The request ended at commit: give its room up, nobody will verify it."""
 
 
 _current: LynxRuntime | None = None
@@ -219,8 +251,7 @@ def build_on_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) ->
     """AROUND ``{Prefill,Decode}...Queue._init_kv_manager``: upstream builds the manager
     (Lynx's with ``--lynx``), then Lynx binds to the queue's KV pool."""
     manager = original(queue, *args, **kwargs)
-    attach = getattr(manager, "lynx_attach", None)
-    if attach is not None:
+    if isinstance(manager, LynxManagerRole):
         pool = upstream.queue_kv_pool(queue)
         if upstream.manager_is_prefill(manager):
             runtime = build(manager, pool, manager.lynx_settings)
@@ -233,6 +264,6 @@ def build_on_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) ->
                 seed=upstream.random_seed(scheduler),
                 overlap=upstream.overlaps(scheduler),
             )
-        attach(runtime)
+        manager.lynx_attach(runtime)
         install(runtime)
     return manager

@@ -123,6 +123,25 @@ def error_of(call: Callable[[], object]) -> str:
     return failure.value.read().decode(errors="replace")
 
 
+def bf16_batch_variance(model: Path, rows: int = 8) -> str | None:
+    """Whether this host's BF16 matrix products round a row differently with the batch's
+    size, at ``model``'s shapes: None where every product gives row 0 the same bits with 1
+    to ``rows`` rows (this AMD EPYC's do), else which product does not (oneDNN's AMX
+    kernels may not). Where they vary, a request's tokens depend on which requests shared
+    its decode steps, in plain PD as in Lynx: two concurrent runs can differ at a near-tie."""
+    config = json.loads((model / "config.json").read_text())
+    hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    generator = torch.Generator().manual_seed(0)
+    for n_in, n_out in ((hidden, hidden), (hidden, inner), (inner, hidden), (hidden, vocab)):
+        weight = torch.randn(n_out, n_in, generator=generator).to(torch.bfloat16)
+        x = torch.randn(rows, n_in, generator=generator).to(torch.bfloat16)
+        alone = torch.nn.functional.linear(x[:1], weight)
+        for m in range(2, rows + 1):
+            if not torch.equal(torch.nn.functional.linear(x[:m], weight)[:1], alone):
+                return f"a ({n_in} -> {n_out}) BF16 product rounds row 0 differently in a batch of {m}"
+    return None
+
+
 def speculation(answer: dict) -> dict:
     """The speculation report of a decode server's answer ({} if it did not speculate)."""
     (report,) = answer["meta_info"]["lynx_transfer"]

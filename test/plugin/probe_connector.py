@@ -4,6 +4,7 @@ Lynx core objects, with a stand-in for upstream's manager (no engine, no sockets
 Prints ``PROBE-RESULT <json>``: what each case observed.
 """
 
+import inspect
 import json
 import logging
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ if is_cpu_engine():
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, KVTransferError
 from sglang.srt.disaggregation.common.utils import pack_int_lists
-from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from lynx.codec import CodecConfig, KVLayout
@@ -31,6 +32,7 @@ from lynx.threads import Survivor
 from lynx.transfer import AuxStatus, Handshake, Notice, ProgressiveReceiver, ProgressiveSender, Verdict
 from lynx_patches import upstream
 from lynx_patches.mooncake_connector import RECEIVER_STEPS, LynxKVManager, LynxKVReceiver, LynxKVSender
+from lynx_patches.runtime import LynxManagerRole, LynxReceiverRole
 
 ROOM = 4242
 PAGES = 6
@@ -281,6 +283,13 @@ print(
             "other_length": prefill_sizes_the_room(PAGES + 1),
             "peer_messages": peer_messages(),
             "control_hook": control_hook(),
+            # what the hooks find the connector's classes by (plays the role, leaves none of
+            # it abstract); upstream's own classes play none
+            "roles": {
+                cls.__name__: [issubclass(cls, role) and not inspect.isabstract(cls) for role in roles]
+                for cls in (LynxKVManager, LynxKVReceiver, MooncakeKVManager, MooncakeKVReceiver)
+                for roles in [(LynxManagerRole, LynxReceiverRole)]
+            },
         }
     )
 )

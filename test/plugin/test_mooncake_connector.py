@@ -41,6 +41,18 @@ def test_the_receivers_lynx_steps_are_pinned(probe: dict) -> None:
     }
 
 
+def test_the_hooks_know_lynxs_connector_classes_by_type(probe: dict) -> None:
+    """The runtime binds to a manager, and decode's commit hook reads a receiver, by the
+    role it plays (``runtime.LynxManagerRole``, ``runtime.LynxReceiverRole``), not by
+    looking an attribute up by name; upstream's classes play neither."""
+    assert probe["roles"] == {
+        "LynxKVManager": [True, False],
+        "LynxKVReceiver": [False, True],
+        "MooncakeKVManager": [False, False],
+        "MooncakeKVReceiver": [False, False],
+    }
+
+
 def test_prefill_answers_the_offer_when_the_request_is_sized(probe: dict) -> None:
     same = probe["same_length"]
     assert not same["answered_early"]  # no request for the room yet: the offer waits
