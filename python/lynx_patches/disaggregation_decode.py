@@ -11,9 +11,19 @@ Hook targets (``sglang.srt.`` omitted):
 * ``disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req`` AROUND: upstream
   drops the receiver there; keep its Lynx transfer report on the request (the response's
   ``meta_info["lynx_transfer"]``), and in speculative mode hand a request whose Residual
-  is still in flight to the :class:`~lynx.speculative.SpeculativeDecoder`.
+  is still in flight to the :class:`~lynx.speculative.SpeculativeDecoder`. A request
+  whose first token was committed early (below) gets only the commit's last step
+  (``upstream.end_commit``): the token is in already.
 * ``disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue``
-  AFTER (speculative mode): poll the Residuals, verify, commit, roll back
+  AFTER: (every mode) **the first token early**: a request in the transfer queue whose
+  aux data (prefill's first token and its logprobs) has landed while Lynx's KV is still
+  on the way gets upstream's own commit of it (``upstream.commit_first_token``, its
+  receiver kept) and upstream's streamer sends it now, exactly the chunk plain PD sends
+  later; every TP rank does it alike (MIN over the ranks' "my row landed"). Requests
+  with a grammar, a sampling mask, staged or HiCache-restored KV, or rebootstrapped
+  keep upstream's timing (``upstream.first_token_may_go_early``), as do those that end
+  at their first token (upstream answers a request from the batch it joins, unfinished). Then (speculative
+  mode) poll the Residuals, verify, commit, roll back
   (:meth:`~lynx.speculative.SpeculativeDecoder.step`), agreeing with the
   other TP ranks first. Upstream's loop is quiescent there: the previous batch's results
   are processed, the next is not built; every rank runs it once per iteration.
@@ -54,10 +64,14 @@ def _receive_only_what_is_read(
 
 def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
     receiver = decode_req.kv_receiver
-    result = original(queue, decode_req, *args, **kwargs)
-    req = decode_req.req
     if not isinstance(receiver, runtime.LynxReceiverRole):  # upstream's receiver: no Lynx
-        return result
+        return original(queue, decode_req, *args, **kwargs)
+    result = None
+    if receiver.lynx_first_token_committed:  # upstream committed the first token already
+        upstream.end_commit(decode_req)
+    else:
+        result = original(queue, decode_req, *args, **kwargs)
+    req = decode_req.req
     speculating = receiver.lynx_speculating
     decoder = runtime.speculative_decoder()
     if speculating and decoder is not None and not req.finished():
@@ -76,15 +90,55 @@ def _keep_report(original: Any, queue: Any, decode_req: Any, *args: Any, **kwarg
     return result
 
 
-def _speculate(result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> Any:
-    decoder = runtime.speculative_decoder()
-    if decoder is not None:
-        decoder.step(scheduler, upstream.rank_reduce_min(scheduler))
+def _after_polling(result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> Any:
+    lynx = runtime.current()
+    if lynx is not None and lynx.receiver is not None:
+        _stream_first_tokens(lynx, scheduler)
+        if lynx.decoder is not None:
+            lynx.decoder.step(scheduler, upstream.rank_reduce_min(scheduler))
     return result
+
+
+def _stream_first_tokens(lynx: runtime.LynxRuntime, scheduler: Any) -> None:
+    """Commit and stream the first token of each request whose aux data (prefill's first
+    token, with its logprobs) has landed while its KV is still on the way: upstream's own
+    commit of it, then upstream's streamer; the client sees it now, not once the KV has
+    landed. Every TP rank commits it alike, once every rank has the row."""
+    queue, entries = upstream.transfer_queue(scheduler)
+    waiting = [
+        decode_req
+        for decode_req in entries
+        if isinstance(decode_req.kv_receiver, runtime.LynxReceiverRole)
+        and not decode_req.kv_receiver.lynx_first_token_committed
+        and upstream.first_token_may_go_early(queue, decode_req)
+    ]
+    if not waiting:
+        return
+    landed = [
+        int(decode_req.kv_receiver.lynx_aux_landed and upstream.aux_row_landed(queue, decode_req))
+        for decode_req in waiting
+    ]
+    for decode_req, agreed in zip(waiting, upstream.rank_reduce_min(scheduler)(landed), strict=True):
+        if not agreed:
+            continue
+        receiver, req = decode_req.kv_receiver, decode_req.req
+        upstream.commit_first_token(queue, decode_req)
+        receiver.lynx_first_token_committed = True
+        if upstream.is_finished(req) or upstream.is_aborting(req):
+            continue  # upstream's commit or the client ended it: answered at upstream's timing
+        upstream.update_finish_state(req, 1)
+        if upstream.is_finished(req):
+            # It ends at its first token: upstream answers it from the batch it joins once
+            # its KV has landed (a request joins one unfinished), as without Lynx.
+            upstream.clear_finish(req)
+            continue
+        upstream.stream_now(scheduler, req)
+        if not upstream.first_stream_chunk(req):
+            lynx.streamed_ahead.add(req)  # its prebuilt step would stream nothing new
 
 
 def register() -> None:
     hook(INIT_KV_MANAGER, runtime.build_on_kv_manager, "around")
     hook(SEND_KV_METADATA, _receive_only_what_is_read, "around")
     hook(COMMIT, _keep_report, "around")
-    hook(PROCESS_DECODE_QUEUE, _speculate, "after")
+    hook(PROCESS_DECODE_QUEUE, _after_polling, "after")

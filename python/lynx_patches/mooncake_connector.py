@@ -314,6 +314,8 @@ class LynxKVReceiver(MooncakeKVReceiver, LynxReceiverRole):
     lynx_step = ReceiverStep.UNREGISTERED
     lynx_slots: torch.Tensor | None = None  # the request's KV slots, in token order
     lynx_report: RoomReport | None = None  # what its transfer cost, once released after decoding
+    lynx_aux_landed = False  # upstream's aux data (the first token) landed while Lynx's KV travels
+    lynx_first_token_committed = False  # the first token is in the request ahead of its KV
     # WAITING_SPACE: upstream's send_metadata call, made once receive space is reserved
     _lynx_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     _lynx_refused: str | None = None  # why this request failed alone (its room is another's)
@@ -404,7 +406,10 @@ class LynxKVReceiver(MooncakeKVReceiver, LynxReceiverRole):
         room = self.bootstrap_room
         verdict, reason = receiver.verdict(room, upstream.upstream_status(status))
         if verdict is Verdict.WAIT:
-            return KVPoll.Transferring if status == KVPoll.Success else status
+            if status == KVPoll.Success:
+                self.lynx_aux_landed = True  # decode's hook may stream the first token now
+                return KVPoll.Transferring
+            return status
         if verdict is Verdict.FAIL:
             if status != KVPoll.Failed:
                 logger.error("Lynx: room %s failed: %s", room, reason)

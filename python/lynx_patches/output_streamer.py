@@ -10,16 +10,18 @@ Hook targets (``sglang.srt.`` omitted):
   ``meta_info["lynx_transfer"][-1]``; upstream sends such info with the first chunk only,
   when the Residual may not have landed yet.
 * ``managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output``
-  AROUND (``--lynx-mode speculative``): requests holding unverified tokens are left out,
-  so neither their tokens nor their stream offsets move; verification may still cut
-  them. The first token (prefill's, exact) passes; a finished request always passes. A
-  request that waited for its Residual out of every batch streamed its first token
-  then; the prebuilt step that takes it into a batch afterwards leaves it out while it
-  has no new token (that chunk would repeat the first one, empty).
+  AROUND: a request whose first token streamed before it joined a batch (as soon as
+  prefill's aux data landed, ahead of its KV: :mod:`lynx_patches.disaggregation_decode`;
+  or while it waited for its Residual out of every batch) is left out of the prebuilt
+  step that takes it into a batch while it has no new token (that chunk would repeat the
+  first one, empty). In ``--lynx-mode speculative`` requests holding unverified tokens
+  are left out, so neither their tokens nor their stream offsets move; verification may
+  still cut them. The first token (prefill's, exact) passes; a finished request always
+  passes.
 
 Contract: scheduler thread, any number of times per iteration; without a speculative
-decoder (or with no request holding tokens or waiting after its first token streamed)
-upstream's call is unchanged.
+decoder and with no request whose first token streamed ahead, upstream's call is
+unchanged.
 """
 
 from __future__ import annotations
@@ -48,15 +50,23 @@ def _final_report_at_stream_end(original: Any, accumulator: Any, *args: Any, **k
 
 
 def _hold_back(original: Any, streamer: Any, reqs: list[Any], *args: Any, **kwargs: Any) -> Any:
-    decoder = runtime.speculative_decoder()
-    if decoder is None:
+    lynx = runtime.current()
+    if lynx is None or (lynx.decoder is None and not lynx.streamed_ahead):
         return original(streamer, reqs, *args, **kwargs)
-    released = [req for req in reqs if decoder.speculations.streams(req)]
+    released = [req for req in reqs if _streams(lynx, req)]
     if len(released) == len(reqs):
         return original(streamer, reqs, *args, **kwargs)
     if not released:
         return None
     return original(streamer, released, *args, **kwargs)
+
+
+def _streams(lynx: runtime.LynxRuntime, req: Any) -> bool:
+    """``req`` is to be in the output batch being streamed now: it holds no unverified
+    token, and is not a request whose first token streamed ahead with nothing new since."""
+    if lynx.streamed_ahead.take(req):
+        return not upstream.streamed_every_token(req)
+    return lynx.decoder is None or not lynx.decoder.speculations.holds_tokens(req)
 
 
 def register() -> None:

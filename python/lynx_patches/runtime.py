@@ -19,12 +19,13 @@ from __future__ import annotations
 import abc
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lynx import codec
+from lynx.first_token import StreamedAhead
 from lynx.lanes import LaneConfig
 from lynx.lanes.mooncake import MooncakeBackend
 from lynx.metrics import LynxMetrics
@@ -62,6 +63,8 @@ class LynxRuntime:
     receiver: ProgressiveReceiver | None = None  # decode
     decoder: SpeculativeDecoder | None = None  # decode, speculative mode
     metrics: LynxMetrics | None = None  # decode, --enable-metrics
+    # decode: requests whose first token streamed before they joined a batch
+    streamed_ahead: StreamedAhead = field(default_factory=StreamedAhead)
 
     def stats(self) -> dict[str, Any]:
         """``/server_info``'s ``lynx_transfer``: buffer use, requests in flight, bytes moved,
@@ -102,6 +105,11 @@ class LynxReceiverRole(abc.ABC):
 
     lynx_slots: torch.Tensor | None  # the request's KV slots, in token order
     lynx_report: RoomReport | None  # what its transfer cost, once released after decoding
+    # upstream's aux data (prefill's first token) landed while Lynx's KV is still on the way
+    lynx_aux_landed: bool
+    # the first token went into the request ahead of its KV (disaggregation_decode), so
+    # upstream's commit of the transfer must not append it again
+    lynx_first_token_committed: bool
 
     @property
     @abc.abstractmethod
@@ -231,6 +239,7 @@ def build(
                 draft_memory_bytes=settings.draft_memory_bytes,
                 seed=seed,
                 overlap=overlap,
+                streamed_ahead=runtime.streamed_ahead,
             )
     # Where this side hears its peer's control messages (offers on prefill, notices on
     # decode): what to firewall, and what a drill aims forged messages at.

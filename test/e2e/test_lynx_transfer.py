@@ -57,7 +57,8 @@ from pdtools import (
 
 from lynx.codec import CodecConfig
 from lynx.mode import Mode
-from lynx.tools.cluster import HOST, SingleServer, http_json, lynx_control_endpoint
+from lynx.tools import cluster
+from lynx.tools.cluster import HOST, SingleServer, http_json, lynx_control_endpoint, pd_body
 from lynx.transfer import RequestLayout
 from lynx.transfer.protocol import TAG, Handshake, Notice, NoticeKind, Offer, Stream
 
@@ -116,6 +117,43 @@ def test_full_mode_with_exact_residual_equals_plain_pd(servers: dict, idle_kv: d
         plain = pd_generate(servers["P0"], servers["D0"], prompt)
         assert lynx["output_ids"] == plain["output_ids"], prompt[:40]
         assert lynx["meta_info"]["completion_tokens"] == 16
+
+
+def test_the_first_token_streams_before_the_kv_lands(servers: dict, idle_kv: dict) -> None:
+    """Full mode with the Residual held ``HOLD_S``: the first token (prefill's, with its
+    logprobs) streams as soon as prefill's aux data lands, the very chunk plain PD streams
+    later; the rest follows once the KV has landed; the stream and its end are plain PD's."""
+    extra = {"return_logprob": True, "top_logprobs_num": 3}
+
+    def streamed(prefill: Prefill, decode: SingleServer, n: int) -> list[tuple[float, dict]]:
+        chunks: list[tuple[float, dict]] = []
+        body = pd_body(PROMPTS[3], prefill.bootstrap_port, n, extra=extra)
+        started = time.monotonic()
+
+        def arrived(chunk: dict) -> None:
+            chunks.append((time.monotonic() - started, chunk))
+
+        cluster.pd_generate(prefill.url, decode.url, body, 180, on_chunk=arrived)
+        return chunks
+
+    lynx, plain = streamed(servers["P"], servers["D1"], 6), streamed(servers["P0"], servers["D0"], 6)
+    (first_at, first), (second_at, _) = lynx[:2]
+    assert len(first["output_ids"]) == 1
+    keys = ("output_token_logprobs", "output_top_logprobs", "prompt_tokens", "cached_tokens")
+    assert [first["meta_info"][k] for k in keys] == [plain[0][1]["meta_info"][k] for k in keys]
+    assert second_at - first_at > HOLD_S / 2, (first_at, second_at)  # it did not wait for the KV
+    (_, last), (_, plain_last) = lynx[-1], plain[-1]
+    assert last["output_ids"] == plain_last["output_ids"]
+    assert last["meta_info"]["output_token_logprobs"] == plain_last["meta_info"]["output_token_logprobs"]
+    assert last["meta_info"]["finish_reason"] == plain_last["meta_info"]["finish_reason"]
+    report = last["meta_info"]["lynx_transfer"][-1]
+    assert report["first_token_latency_s"] < report["residual_latency_s"] - HOLD_S / 2, report
+    # A request that ends at its first token is answered as without Lynx (upstream answers
+    # it from the batch it joins once its KV landed), whole and once.
+    ones = [chunk for _, chunk in streamed(servers["P"], servers["D1"], 1)]
+    assert [chunk["output_ids"] for chunk in ones] == [plain[0][1]["output_ids"]]
+    assert ones[0]["meta_info"]["finish_reason"]["type"] == "length"
+    wait_for(lambda: idle(servers["D1"], idle_kv["D1"]), "D1 idle")
 
 
 def test_anchors_sent_layer_by_layer_during_prefill_change_no_byte_and_no_answer(

@@ -213,7 +213,13 @@ def test_every_accessor_declares_each_upstream_name_it_touches_on_itself() -> No
 
 
 def test_the_contract_is_what_the_accessors_and_the_topic_modules_declare() -> None:
-    topics = [upstream.connector, upstream.requests, upstream.scheduler, upstream.verify_forward]
+    topics = [
+        upstream.connector,
+        upstream.first_token,
+        upstream.requests,
+        upstream.scheduler,
+        upstream.verify_forward,
+    ]
     declared_by_accessors = {
         relied for topic in topics for value in vars(topic).values() for relied in getattr(value, RELIES, ())
     }

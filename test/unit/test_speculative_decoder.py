@@ -382,7 +382,8 @@ def test_a_residual_expected_before_a_draft_would_pay_is_waited_for(
     speculation = req.customized_info[META_INFO_KEY][0]["speculation"]  # type: ignore[index]
     assert (speculation["held"], speculation["window"], speculation["park_reason"]) == (0, 0, "cap")
     # upstream's prebuilt step takes it into a batch: no chunk repeats t_0; the next token streams
-    monkeypatch.setattr(runtime, "speculative_decoder", lambda: world.decoder)
+    lynx = SimpleNamespace(decoder=world.decoder, streamed_ahead=world.decoder.streamed_ahead)
+    monkeypatch.setattr(runtime, "current", lambda: lynx)
     streamer = scheduler.output_streamer
 
     def stream(reqs: list[Any]) -> None:

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from lynx.first_token import StreamedAhead
 from lynx.metrics import LynxMetrics
 from lynx.speculative.engine import DecodeEngine
 from lynx.speculative.speculation import Speculation, Speculations
@@ -105,9 +106,13 @@ class SpeculativeDecoder:
         draft_memory_bytes: int = 256 << 20,
         seed: int | None = None,
         overlap: bool = False,
+        streamed_ahead: StreamedAhead | None = None,
     ) -> None:
         self._engine = engine
         self.receiver = receiver
+        # requests whose t_0 streamed before they joined a batch (shared with the runtime's
+        # early first tokens: the output streamer leaves their next, empty chunk out)
+        self.streamed_ahead = StreamedAhead() if streamed_ahead is None else streamed_ahead
         # The acceptance rule's coin flips. TP ranks draw the same ones (``seed``: the
         # server's --random-seed, as upstream's sampler), so they commit the same tokens.
         self._generator = torch.Generator()
@@ -419,4 +424,4 @@ class SpeculativeDecoder:
             if not self.speculations.get(req).held.tokens and self._engine.first_chunk_pending(req):
                 self._engine.stream_now(scheduler, req)
                 if not self._engine.first_chunk_pending(req):
-                    self.speculations.streamed_ahead(req)
+                    self.streamed_ahead.add(req)

@@ -94,10 +94,6 @@ class Speculations:
         self._overlap = overlap
         self._by_room: dict[int, Speculation] = {}
         self._draining: set[int] = set()  # rooms whose request ended before the Residual landed
-        # Requests that waited for their Residual out of every batch and streamed t_0 when
-        # they left the waiting queue: the chunk the engine's prebuilt path streams when they
-        # join a batch again would repeat it with no new token.
-        self._streamed_ahead: set[int] = set()  # id(req)
 
     def __bool__(self) -> bool:
         return bool(self._by_room)
@@ -155,18 +151,6 @@ class Speculations:
             for spec in self._by_room.values()
             if spec.sampled and spec.held.state is SpecState.SPECULATIVE
         }
-
-    def streams(self, req: Any) -> bool:
-        """``req`` is to be in the output batch being streamed now: it holds no unverified
-        token, and is not a request whose t_0 streamed ahead with nothing new since."""
-        if id(req) in self._streamed_ahead:
-            self._streamed_ahead.discard(id(req))
-            return not self._engine.streamed_every_token(req)
-        return not self.holds_tokens(req)
-
-    def streamed_ahead(self, req: Any) -> None:
-        """``req`` streamed t_0 while it waited out of every batch (see :meth:`streams`)."""
-        self._streamed_ahead.add(id(req))
 
     def parked_requests(self) -> list[Any]:
         return [spec.req for spec in self._by_room.values() if spec.out_of_batch]

@@ -76,6 +76,8 @@ class RoomReport:
     anchor_latency_s: float | None  # offer sent -> Anchor landed
     residual_latency_s: float | None
     residual_space: int = 0  # receive space reserved for the Residual stream (residual_bytes at most)
+    # offer sent -> prefill's first token (upstream's aux data) landed: it may stream then
+    first_token_latency_s: float | None = None
 
 
 @dataclass
@@ -545,14 +547,14 @@ class ProgressiveReceiver:
 def _report_of(tracker: ReceiveTracker) -> RoomReport:
     offered = tracker.offered_at
 
-    def latency(stream: Stream) -> float | None:
-        at = tracker.landed_at.get(stream)
+    def latency(at: float | None) -> float | None:
         return None if at is None or offered is None else at - offered
 
     return RoomReport(
         tracker.landed.get(Stream.ANCHOR, 0),
         tracker.landed.get(Stream.RESIDUAL, 0),
-        latency(Stream.ANCHOR),
-        latency(Stream.RESIDUAL),
+        latency(tracker.landed_at.get(Stream.ANCHOR)),
+        latency(tracker.landed_at.get(Stream.RESIDUAL)),
         tracker.plan.sent_residual_nbytes,
+        latency(tracker.upstream_success_at),
     )

@@ -22,7 +22,7 @@ registration, before SGLang may be.
 
 from __future__ import annotations
 
-from lynx_patches.upstream import connector, contract, requests, scheduler, verify_forward
+from lynx_patches.upstream import connector, contract, first_token, requests, scheduler, verify_forward
 from lynx_patches.upstream.connector import (
     MetadataFrames,
     aborted_room,
@@ -56,6 +56,13 @@ from lynx_patches.upstream.contract import (
     Relied,
     contract_violations,
     declared_in,
+)
+from lynx_patches.upstream.first_token import (
+    aux_row_landed,
+    commit_first_token,
+    end_commit,
+    first_token_may_go_early,
+    transfer_queue,
 )
 from lynx_patches.upstream.requests import (
     abort_with,
@@ -125,7 +132,7 @@ CONTRACT: tuple[Relied, ...] = tuple(
             *contract.RELIED,
             *(
                 relied
-                for topic in (connector, requests, scheduler, verify_forward)
+                for topic in (connector, first_token, requests, scheduler, verify_forward)
                 for relied in declared_in(topic)
             ),
         ]
@@ -141,20 +148,24 @@ __all__ = [
     "aborted_room",
     "advance_layerwise",
     "append_output",
+    "aux_row_landed",
     "batch_without",
     "bootstrap_room",
     "chunks_to_send",
     "clear_finish",
+    "commit_first_token",
     "contract_violations",
     "control_endpoint",
     "controller_scheduler",
     "decode_forward_rows",
     "decode_radix_cache",
+    "end_commit",
     "extended_layer",
     "fail_receiver",
     "fail_receiver_alone",
     "fail_room",
     "first_stream_chunk",
+    "first_token_may_go_early",
     "free_kv_tokens",
     "is_aborting",
     "is_finished",
@@ -212,6 +223,7 @@ __all__ = [
     "streamed_every_token",
     "synchronize_send_events",
     "tokenized_room",
+    "transfer_queue",
     "truncate_output",
     "unreadable_peer_message",
     "update_finish_state",
