@@ -16,7 +16,8 @@ Upstream methods overridden (all in ``sglang.srt.disaggregation``; their signatu
 in ``upstream.CONTRACT``). Threads: ``_make_worker_recv``'s function runs on upstream's
 bootstrap/status thread; every other method on the scheduler thread.
 
-* ``mooncake.conn.MooncakeKVManager``: ``__init__``, ``_make_worker_recv`` (take Lynx
+* ``mooncake.conn.MooncakeKVManager``: ``__init__``, ``send_aux`` (prefill: the first
+  token on the control channel, ahead of the Anchor's writes), ``_make_worker_recv`` (take Lynx
   offers off decode's metadata messages on prefill, Lynx notices on decode; drop a peer's
   message upstream's thread would die of, see ``upstream.unreadable_peer_message``; stop
   an aborted room's lanes on prefill, and with a key drop an ABORT from another decode
@@ -97,6 +98,13 @@ class LynxKVManager(MooncakeKVManager, LynxManagerRole):
         if self.lynx is not None:
             self.lynx.close()
         super().teardown()
+
+    def send_aux(self, req: Any, prefill_aux_index: int, dst_aux_ptrs: list[int]) -> Any:
+        """(Prefill, upstream's transfer worker) The aux data (the first token and its
+        logprobs) goes on the control channel (upstream's ``AUX_DATA`` message, which
+        every decode reads), not as a transfer-engine write queued behind the Anchor's:
+        decode streams the first token as soon as it lands (``disaggregation_decode``)."""
+        return self.send_aux_tcp(req, prefill_aux_index, dst_aux_ptrs)
 
     # ---- messages (bootstrap/status thread) -------------------------------------------------
 

@@ -43,6 +43,8 @@ RELIED: tuple[Relied, ...] = (
     method(_MANAGER, "_handle_node_failure", "failed_bootstrap_addr"),
     method(_MANAGER, "add_transfer_request", "bootstrap_room", "kv_indices", "index_slice", "is_last_chunk"),
     method(_MANAGER, "teardown"),
+    method(_MANAGER, "send_aux", "req", "prefill_aux_index", "dst_aux_ptrs"),
+    method(_MANAGER, "send_aux_tcp", "req", "prefill_aux_index", "dst_aux_ptrs"),
     method(_SENDER, "__init__", "mgr", "bootstrap_addr", "bootstrap_room"),
     attribute(_SENDER, "supports_host_tensor_indices"),
     method(_SENDER, "init", "num_kv_indices", "aux_index"),
