@@ -44,8 +44,8 @@ class Source:
 
 
 SOURCES = (
-    Source(f"{RESULTS}/2026-12-07-smollm2-20mbit/chunk_sweep.json", "20 Mbit/s"),
-    Source(f"{RESULTS}/2026-12-07-smollm2-unshaped/chunk_sweep.json", "unshaped"),
+    Source(f"{RESULTS}/2026-12-08-smollm2-20mbit/chunk_sweep.json", "20 Mbit/s"),
+    Source(f"{RESULTS}/2026-12-08-smollm2-unshaped/chunk_sweep.json", "unshaped"),
 )
 
 
