@@ -84,12 +84,17 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def servers(tiny_model: Path, log_dir: Path) -> Iterator[dict]:
     # A decode whose prefill died holds the failed requests' pages for a drain ACK that never
-    # comes, until upstream's release timeout (30 s by default): shorter here.
+    # comes, until upstream's release timeout (30 s by default): shorter here. So is how long
+    # a prefill waits for a decode that refused its request (a duplicate rid: 300 s by
+    # default, the router answering the client only then).
     config = ServerConfig(
         model_path=tiny_model,
         max_total_tokens=8192,
         extra_args=CHUNK,
-        env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "10"},
+        env={
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "10",
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
+        },
     )
     group = {
         "pd": PDCluster(
